@@ -1,0 +1,1 @@
+"""Framework adapters: ``adapters.torch`` and ``adapters.jax`` (import the one you use)."""

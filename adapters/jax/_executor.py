@@ -1,0 +1,120 @@
+"""The one generic executor that runs a core_kernels Plan with JAX arrays.
+
+On a GPU each launch becomes a ``jax_triton.triton_call`` (row-major strides,
+outputs after the inputs, in-place outputs aliased to their inputs). Without a
+GPU, or with TRITON_INTERPRET=1, the whole plan runs in one host callback under
+Triton's interpreter, so ``jax.jit`` code works unchanged on a laptop.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from core_kernels._interpret import run_plan_numpy
+from core_kernels._plan import ArrayInfo, Plan, Scalar, interpret_requested
+
+_JT = None
+
+
+def _jax_triton():
+    """Import jax_triton lazily; it clobbers TRITON_CACHE_DIR, which would
+    break every later torch-side Triton compile in this process."""
+    global _JT
+    if _JT is None:
+        saved = os.environ.get("TRITON_CACHE_DIR")
+        import jax_triton
+        if saved is None:
+            os.environ.pop("TRITON_CACHE_DIR", None)
+        else:
+            os.environ["TRITON_CACHE_DIR"] = saved
+        _JT = jax_triton
+    return _JT
+
+
+def info(x) -> ArrayInfo:
+    return ArrayInfo.contiguous(x.shape, jnp.dtype(x.dtype).name)
+
+
+def as_array(name: str, value, dtype, size: int = 1):
+    """A scalar or array argument as a 1-D device array of ``size`` (kept as
+    data, so a new value never recompiles)."""
+    arr = jnp.asarray(value)
+    if arr.size != size:
+        raise ValueError(f"{name}: expected {size} element(s), got shape {arr.shape}")
+    if not (jnp.issubdtype(arr.dtype, jnp.integer) if jnp.issubdtype(dtype, jnp.integer)
+            else jnp.issubdtype(arr.dtype, jnp.floating) or jnp.issubdtype(arr.dtype, jnp.integer)):
+        raise TypeError(f"{name}: expected a {jnp.dtype(dtype).name} value, got {arr.dtype}")
+    return arr.astype(dtype).reshape(size)
+
+
+def _use_interpreter(arrays: dict) -> bool:
+    if interpret_requested():
+        return True
+    if jax.default_backend() not in ("gpu", "cuda", "rocm"):
+        return True
+    for name, x in arrays.items():
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+            if any(d.platform == "cpu" for d in x.devices()):
+                raise ValueError(f"{name}: a CPU array on a machine with a GPU; put it on the GPU, "
+                                 "or set TRITON_INTERPRET=1 to run under Triton's interpreter")
+    return False
+
+
+def _scalar(arg: Scalar, runtime: dict):
+    value = runtime[arg.value] if isinstance(arg.value, str) else arg.value
+    return np.float32(value) if arg.kind == "fp32" else int(value)
+
+
+def _out_struct(plan: Plan, env: dict, name: str) -> jax.ShapeDtypeStruct:
+    if name in plan.buffers:
+        buf = plan.buffers[name]
+        return jax.ShapeDtypeStruct(buf.shape, jnp.dtype(buf.dtype))
+    return jax.ShapeDtypeStruct(env[name].shape, env[name].dtype)
+
+
+def run_plan(plan: Plan, arrays: dict, runtime: dict | None = None) -> tuple:
+    """Run ``plan`` over ``arrays`` (name -> jax array); returns ``plan.results``."""
+    runtime = runtime or {}
+    arrays = {k: jnp.asarray(v) for k, v in arrays.items()}
+    if not plan.launches:
+        return tuple(arrays[r] if r in arrays else
+                     jnp.zeros(plan.buffers[r].shape, jnp.dtype(plan.buffers[r].dtype))
+                     for r in plan.results)
+    if _use_interpreter(arrays):
+        return _run_interpreted(plan, arrays, runtime)
+    jt = _jax_triton()
+    env = dict(arrays)
+    for launch in plan.launches:
+        in_args, array_pos = [], {}
+        for a in launch.args:
+            if isinstance(a, Scalar):
+                in_args.append(_scalar(a, runtime))
+            else:
+                array_pos.setdefault(a, sum(not isinstance(x, (int, np.float32)) for x in in_args))
+                in_args.append(env[a])
+        aliases = {array_pos[o]: i for i, o in enumerate(launch.outputs) if o in array_pos}
+        zeroed = [i for i, o in enumerate(launch.outputs)
+                  if o not in array_pos and o in plan.buffers and plan.buffers[o].zero_init]
+        outs = jt.triton_call(
+            *in_args, kernel=launch.kernel, grid=launch.grid,
+            out_shape=[_out_struct(plan, env, o) for o in launch.outputs],
+            input_output_aliases=aliases, zeroed_outputs=zeroed,
+            num_warps=launch.num_warps, num_stages=launch.num_stages, **launch.constexprs)
+        env.update(zip(launch.outputs, outs))
+    return tuple(env[r] for r in plan.results)
+
+
+def _run_interpreted(plan: Plan, arrays: dict, runtime: dict) -> tuple:
+    names = list(arrays)
+    env_structs = dict(arrays)
+    result_structs = tuple(_out_struct(plan, env_structs, r) for r in plan.results)
+
+    def host(*values):
+        env = run_plan_numpy(plan, {n: np.asarray(v) for n, v in zip(names, values)}, runtime)
+        return tuple(np.asarray(env[r]) for r in plan.results)
+
+    return jax.pure_callback(host, result_structs, *[arrays[n] for n in names],
+                             vmap_method="sequential")

@@ -1,0 +1,62 @@
+"""The one generic executor that runs a core_kernels Plan with torch tensors."""
+from __future__ import annotations
+
+import torch
+
+from core_kernels._interpret import interpreted
+from core_kernels._plan import ArrayInfo, Plan, Scalar, interpret_requested
+
+TORCH_DTYPES = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
+    "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8, "int8": torch.int8,
+    "float64": torch.float64, "bool": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+def info(t: torch.Tensor) -> ArrayInfo:
+    return ArrayInfo(tuple(t.shape), DTYPE_NAMES.get(t.dtype, str(t.dtype)), tuple(t.stride()))
+
+
+def check_devices(**tensors) -> torch.device:
+    """All tensors on one device; CPU tensors need the interpreter. Returns the device."""
+    device, first = None, None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if device is None:
+            device, first = t.device, name
+        elif t.device != device:
+            raise ValueError(f"{name}: on {t.device}, but {first} is on {device}; "
+                             "all tensors must be on one device")
+    if device is not None and device.type == "cpu" and torch.cuda.is_available() \
+            and not interpret_requested():
+        raise ValueError(f"{first}: CPU tensors on a machine with a GPU; move them to the GPU, "
+                         "or set TRITON_INTERPRET=1 to run the kernels under Triton's interpreter")
+    return device
+
+
+def run_plan(plan: Plan, tensors: dict, runtime: dict | None = None,
+             device: torch.device | None = None) -> dict:
+    """Allocate ``plan.buffers``, run its launches; returns every buffer by name."""
+    env = dict(tensors)
+    if device is None:
+        device = next(t.device for t in tensors.values() if isinstance(t, torch.Tensor))
+    for name, buf in plan.buffers.items():
+        alloc = torch.zeros if buf.zero_init else torch.empty
+        env[name] = alloc(buf.shape, dtype=TORCH_DTYPES[buf.dtype], device=device)
+    interpret = device.type == "cpu"
+    for launch in plan.launches:
+        args = [(runtime[a.value] if isinstance(a.value, str) else a.value)
+                if isinstance(a, Scalar) else env[a] for a in launch.args]
+        args += [env[o] for o in launch.outputs]
+        if interpret:
+            interpreted(launch.kernel)[launch.grid](*args, **launch.constexprs)
+        else:
+            with torch.cuda.device(device):
+                launch.kernel[launch.grid](*args, **launch.constexprs,
+                                           num_warps=launch.num_warps, num_stages=launch.num_stages)
+    return env

@@ -1,0 +1,43 @@
+"""float64 numpy reference for merge_attn_states, written from the spec."""
+import numpy as np
+
+
+def merge_attn_states_reference(prefix_output, prefix_lse, suffix_output, suffix_lse,
+                                prefill_tokens_with_context=None, output_scale=None,
+                                fp8_max=448.0):
+    """Returns (output float64 [N, H, D] before any fp8 cast, output_lse float64 [H, N]).
+
+    With output_scale the returned output is clamp(value / scale) in float64;
+    the caller casts it to fp8 the way the framework does.
+    """
+    po = np.asarray(prefix_output, dtype=np.float64)
+    so = np.asarray(suffix_output, dtype=np.float64)
+    p = np.asarray(prefix_lse, dtype=np.float64).T.copy()  # [N, H]
+    s = np.asarray(suffix_lse, dtype=np.float64).T.copy()
+    n = po.shape[0]
+    n_ctx = n if prefill_tokens_with_context is None else int(prefill_tokens_with_context)
+    out = so.copy()
+    out_lse = s.copy()
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        for t in range(min(n_ctx, n)):
+            pt = np.where(p[t] == np.inf, -np.inf, p[t])
+            st = np.where(s[t] == np.inf, -np.inf, s[t])
+            nan = np.isnan(pt) | np.isnan(st)
+            m = np.maximum(pt, st)
+            both_empty = (m == -np.inf) & ~nan
+            m_safe = np.where(both_empty, 0.0, m)
+            wp = np.exp(pt - m_safe)
+            ws = np.exp(st - m_safe)
+            w = wp + ws
+            wp_n = np.where(both_empty, 0.0, wp / np.where(both_empty, 1.0, w))
+            ws_n = np.where(both_empty, 0.0, ws / np.where(both_empty, 1.0, w))
+            # an empty part contributes nothing, even if its values are NaN
+            po_t = np.where((pt == -np.inf)[:, None], 0.0, po[t])
+            so_t = np.where((st == -np.inf)[:, None], 0.0, so[t])
+            out[t] = po_t * wp_n[:, None] + so_t * ws_n[:, None]
+            out[t][nan] = np.nan
+            lse = np.log(np.where(both_empty, 1.0, w)) + m_safe
+            out_lse[t] = np.where(both_empty, -np.inf, np.where(nan, np.nan, lse))
+        if output_scale is not None:
+            out = np.clip(out / float(output_scale), -fp8_max, fp8_max)
+    return out, out_lse.T.copy()

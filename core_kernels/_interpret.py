@@ -6,6 +6,8 @@ the torch adapter hands CPU tensors to the interpreter directly. Both use
 """
 from __future__ import annotations
 
+import types
+
 import numpy as np
 
 from ._plan import Plan, Scalar
@@ -14,13 +16,25 @@ _INTERPRETED = {}
 
 
 def interpreted(kernel):
-    """The interpreter's version of a @triton.jit kernel (cached)."""
+    """The interpreter's version of a @triton.jit kernel (cached).
+
+    Kernels are compiled for the GPU when TRITON_INTERPRET is unset, so the
+    interpreted copy runs over a copy of the module's globals in which every
+    @triton.jit helper it calls is itself interpreted.
+    """
     from triton.runtime.interpreter import InterpretedFunction
-    fn = getattr(kernel, "fn", kernel)
+    from triton.runtime.jit import JITFunction
     if isinstance(kernel, InterpretedFunction):
         return kernel
+    fn = kernel.fn
     if fn not in _INTERPRETED:
-        _INTERPRETED[fn] = InterpretedFunction(fn)
+        # only helpers this function names (a kernel module also holds itself)
+        scope = {k: interpreted(v) if isinstance(v, JITFunction) and k in fn.__code__.co_names
+                 and v.fn is not fn else v for k, v in fn.__globals__.items()}
+        clone = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+        clone.__annotations__ = dict(fn.__annotations__)
+        clone.__module__, clone.__qualname__ = fn.__module__, fn.__qualname__
+        _INTERPRETED[fn] = InterpretedFunction(clone)
     return _INTERPRETED[fn]
 
 

@@ -137,7 +137,7 @@ def check_ndim(name: str, info: ArrayInfo, ndim: int, layout: str) -> None:
 
 
 def check_inner_contiguous(name: str, info: ArrayInfo) -> None:
-    if info.ndim and info.shape[-1] > 1 and info.strides[-1] != 1:
+    if info.ndim and info.shape[-1] > 1 and info.strides[-1] != 1 and math.prod(info.shape):
         raise ValueError(f"{name}: the innermost dimension must be contiguous (stride 1), "
                          f"got strides {tuple(info.strides)}")
 

@@ -8,6 +8,8 @@ whatever H and D are.
 import triton
 import triton.language as tl
 
+from .._triton_utils import round_to_fp8_grid
+
 
 @triton.jit(do_not_specialize=["num_ctx_arg"])
 def _merge_attn_states_kernel(
@@ -24,7 +26,8 @@ def _merge_attn_states_kernel(
     # constexprs
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_CTX_FROM_PTR: tl.constexpr, HAS_OUT_LSE: tl.constexpr,
-    HAS_SCALE: tl.constexpr, FP8_MAX: tl.constexpr,
+    HAS_SCALE: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT_BITS: tl.constexpr,
+    FP8_MIN_NORMAL: tl.constexpr, FP8_SUBNORMAL_MAGIC: tl.constexpr,
 ):
     i_r = tl.program_id(0)
     o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -76,6 +79,7 @@ def _merge_attn_states_kernel(
         scale = tl.load(out_scale_ptr).to(tl.float32)
         b_o = tl.math.div_rn(b_o, scale)
         b_o = tl.clamp(b_o, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        b_o = round_to_fp8_grid(b_o, FP8_MANT_BITS, FP8_MIN_NORMAL, FP8_SUBNORMAL_MAGIC)
     p_o = out_ptr + (o_t * stride_o_t + o_h * stride_o_h)[:, None] + o_d[None, :]
     tl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
 

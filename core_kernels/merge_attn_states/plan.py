@@ -4,6 +4,7 @@ from __future__ import annotations
 from .._plan import (FLOAT_DTYPES, FP8_MAX, ArrayInfo, Buffer, Launch, Plan, Scalar,
                      cdiv, check_dtype, check_inner_contiguous, check_ndim, check_shape,
                      memoize, next_pow2)
+from .._triton_utils import FP8_ROUNDING
 from .kernels import _merge_attn_states_kernel
 
 MAX_HEAD_SIZE = 512
@@ -100,7 +101,9 @@ def plan_merge_attn_states(
         constexprs=dict(BLOCK_R=block_r, BLOCK_D=block_d,
                         NUM_CTX_FROM_PTR=num_ctx == "array", HAS_OUT_LSE=has_out_lse,
                         HAS_SCALE=has_output_scale,
-                        FP8_MAX=FP8_MAX.get(out_dtype, 0.0)),
+                        FP8_MAX=FP8_MAX.get(out_dtype, 0.0),
+                        **dict(zip(("FP8_MANT_BITS", "FP8_MIN_NORMAL", "FP8_SUBNORMAL_MAGIC"),
+                                   FP8_ROUNDING.get(out_dtype, (0, 0.0, 0.0))))),
         num_warps=num_warps, num_stages=1,
     )
     return Plan(buffers, (launch,), results)

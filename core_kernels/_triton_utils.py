@@ -1,0 +1,32 @@
+"""@triton.jit helpers shared by several ops."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def round_to_fp8_grid(x, MANT_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                      SUBNORMAL_MAGIC: tl.constexpr):
+    """Round fp32 ``x`` (already clamped to the fp8 range) to the nearest fp8
+    value, ties to even, returned as an fp32 that the final cast converts exactly.
+
+    NOTE: Triton 3.6's interpreter converts fp32 -> fp8 wrongly when rounding
+    carries into the exponent (31.6 -> 16 instead of 32, seen on CPU). Rounding
+    first keeps the interpreter and the GPU bit-identical, and equal to
+    clamp-then-cast in torch/JAX; it costs a few integer ops in memory-bound code.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    SHIFT: tl.constexpr = 23 - MANT_BITS
+    lsb = (bits >> SHIFT) & 1
+    normal = ((bits + ((1 << (SHIFT - 1)) - 1) + lsb) & (-(1 << SHIFT))).to(tl.float32, bitcast=True)
+    # subnormals: adding 2**k rounds to its ulp (the fp8 subnormal quantum), ties to even
+    sub = (tl.abs(x) + SUBNORMAL_MAGIC) - SUBNORMAL_MAGIC
+    sub = (sub.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(x) < MIN_NORMAL, sub, normal)
+
+
+# (MANT_BITS, MIN_NORMAL, SUBNORMAL_MAGIC) per fp8 format: the magic number's
+# fp32 ulp equals the format's subnormal step (2**-9 for e4m3, 2**-16 for e5m2).
+FP8_ROUNDING = {
+    "float8_e4m3fn": (3, 2.0 ** -6, 2.0 ** 14),
+    "float8_e5m2": (2, 2.0 ** -14, 2.0 ** 7),
+}

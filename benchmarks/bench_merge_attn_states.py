@@ -1,0 +1,165 @@
+"""merge_attn_states on the GPU: our kernel (torch and JAX) vs the same math
+compiled by torch.compile and by XLA (jnp under jax.jit).
+
+Bytes moved = 3·N·H·D·itemsize + 3·N·H·4; percent of the device-to-device copy
+bandwidth measured in the same run. JAX is timed by pipelined dispatch (see
+timing.py), torch both ways; the JAX/torch ratio compares like with like.
+"""
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+
+from benchmarks import timing
+from benchmarks.registry import merge_shapes
+
+COLUMNS = ["name", "torch_us", "TB/s", "%copy", "jax_us", "torch_pipe_us", "jax/torch",
+           "compile_us", "jnp_us", "vs_compile", "vs_jnp"]
+ROTATE = 4  # input sets cycled so repeated calls never hit in L2
+
+
+def _torch_math(po, pl, so, sl):
+    import torch
+    p = pl.t().unsqueeze(-1)
+    s = sl.t().unsqueeze(-1)
+    p = torch.where(p == float("inf"), float("-inf"), p)
+    s = torch.where(s == float("inf"), float("-inf"), s)
+    m = torch.maximum(p, s)
+    wp, ws = torch.exp(p - m), torch.exp(s - m)
+    w = wp + ws
+    out = po.float() * (wp / w) + so.float() * (ws / w)
+    return out.to(po.dtype), (torch.log(w) + m).squeeze(-1).t()
+
+
+def _jnp_math(po, pl, so, sl):
+    import jax.numpy as jnp
+    p = jnp.where(pl.T == jnp.inf, -jnp.inf, pl.T)[..., None]
+    s = jnp.where(sl.T == jnp.inf, -jnp.inf, sl.T)[..., None]
+    m = jnp.maximum(p, s)
+    wp, ws = jnp.exp(p - m), jnp.exp(s - m)
+    w = wp + ws
+    out = po.astype(jnp.float32) * (wp / w) + so.astype(jnp.float32) * (ws / w)
+    return out.astype(po.dtype), (jnp.log(w) + m)[..., 0].T
+
+
+def _inputs(n, h, d, dtype, k):
+    import torch
+    tdt = getattr(torch, dtype)
+    sets = []
+    for _ in range(k):
+        sets.append((torch.randn(n, h, d, device="cuda", dtype=tdt),
+                     torch.randn(h, n, device="cuda") * 3,
+                     torch.randn(n, h, d, device="cuda", dtype=tdt),
+                     torch.randn(h, n, device="cuda") * 3))
+    return sets
+
+
+def tile_sweep(copy_bw):
+    """Time tile sizes / warps for the headline shape (torch launch, cold L2)."""
+    import torch
+    from adapters.torch._executor import info, run_plan
+    from core_kernels.merge_attn_states import plan_merge_attn_states
+    n, h, d = 16384, 32, 128
+    po, pl, so, sl = _inputs(n, h, d, "bfloat16", 1)[0]
+    out, lse = torch.empty_like(po), torch.empty_like(pl)
+    rows = []
+    nbytes = 3 * n * h * d * 2 + 3 * n * h * 4
+    for tile in (1024, 2048, 4096, 8192, 16384):
+        for warps in (2, 4, 8, 16):
+            plan = plan_merge_attn_states(info(po), info(pl), info(so), info(sl), info(out), info(lse),
+                                          tile_elems=tile, num_warps=warps)
+            tensors = dict(output=out, output_lse=lse, prefix_output=po, prefix_lse=pl,
+                           suffix_output=so, suffix_lse=sl)
+            t = timing.kernel_time_torch(lambda: run_plan(plan, tensors, {}))
+            rows.append(dict(name=f"sweep-tile{tile}-w{warps}", torch_us=t * 1e6,
+                             **{"TB/s": nbytes / t / 1e12, "%copy": 100 * nbytes / t / copy_bw}))
+    return rows
+
+
+def host_overheads():
+    """Per-call host time for a decode-sized merge (N=1, 32x128 bf16)."""
+    import jax
+    import torch
+    import adapters.jax as aj
+    import adapters.torch as at
+    from core_kernels.merge_attn_states.kernels import _merge_attn_states_kernel
+    from adapters.torch._executor import info
+    from core_kernels.merge_attn_states import plan_merge_attn_states
+    from core_kernels._plan import Scalar
+    po, pl, so, sl = _inputs(1, 32, 128, "bfloat16", 1)[0]
+    out, lse = torch.empty_like(po), torch.empty_like(pl)
+    ours = timing.host_overhead(lambda: at.merge_attn_states(out, po, pl, so, sl, lse), "torch")
+    # the plain Triton launch of the same kernel, arguments prepared in advance
+    launch = plan_merge_attn_states(info(po), info(pl), info(so), info(sl), info(out), info(lse)).launches[0]
+    env = dict(output=out, output_lse=lse, prefix_output=po, prefix_lse=pl, suffix_output=so, suffix_lse=sl)
+    args = [a.value if isinstance(a, Scalar) else env[a] for a in launch.args] + [env[o] for o in launch.outputs]
+    plain = timing.host_overhead(lambda: _merge_attn_states_kernel[launch.grid](
+        *args, **launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages), "torch")
+    jargs = [jax.dlpack.from_dlpack(t) for t in (po, pl, so, sl)]
+    f = jax.jit(aj.merge_attn_states)
+    jx = timing.host_overhead(lambda: f(*jargs), "jax")
+    return [dict(name="host-overhead-N1-32x128-bf16", torch_us=ours * 1e6, plain_triton_us=plain * 1e6,
+                 jax_us=jx * 1e6)]
+
+
+def run():
+    import jax
+    import torch
+    import adapters.jax as aj
+    import adapters.torch as at
+    copy_bw = timing.copy_bandwidth()
+    rows = [dict(name="copy-bandwidth", **{"TB/s": copy_bw / 1e12})]
+    rows += tile_sweep(copy_bw)
+    rows += host_overheads()
+    compiled = torch.compile(_torch_math, dynamic=False)
+    jnp_jit = jax.jit(_jnp_math)
+    ours_jit = jax.jit(aj.merge_attn_states)
+    for case in merge_shapes():
+        n, h, d, dtype = case["n"], case["h"], case["d"], case["dtype"]
+        itemsize = 4 if dtype == "float32" else 2
+        nbytes = 3 * n * h * d * itemsize + 3 * n * h * 4
+        sets = _inputs(n, h, d, dtype, ROTATE)
+        outs = [(torch.empty_like(s[0]), torch.empty_like(s[1])) for s in sets]
+        calls = [lambda s=s, o=o: at.merge_attn_states(o[0], s[0], s[1], s[2], s[3], o[1])
+                 for s, o in zip(sets, outs)]
+        t_torch = timing.kernel_time_torch(calls[0])
+        t_torch_pipe = timing.pipelined_time(calls, "torch")
+        jsets = [[jax.dlpack.from_dlpack(t) for t in s] for s in sets]
+        t_jax = timing.pipelined_time([lambda s=s: ours_jit(*s) for s in jsets], "jax")
+        # bitwise agreement on the first set
+        at.merge_attn_states(outs[0][0], *sets[0], output_lse=outs[0][1])
+        j_out, j_lse = ours_jit(*jsets[0])
+        bitwise = bool(torch.equal(outs[0][0], torch.from_dlpack(j_out))
+                       and torch.equal(outs[0][1], torch.from_dlpack(j_lse)))
+        row = dict(name=case["name"], n=n, h=h, d=d, dtype=dtype, torch_us=t_torch * 1e6,
+                   **{"TB/s": nbytes / t_torch / 1e12, "%copy": 100 * nbytes / t_torch / copy_bw},
+                   jax_us=t_jax * 1e6, torch_pipe_us=t_torch_pipe * 1e6,
+                   **{"jax/torch": t_jax / t_torch_pipe}, bitwise=bitwise)
+        if n >= 4096:
+            t_c = timing.kernel_time_torch(lambda: compiled(*sets[0]))
+            t_j = timing.pipelined_time([lambda s=s: jnp_jit(*s) for s in jsets], "jax")
+            row.update(compile_us=t_c * 1e6, jnp_us=t_j * 1e6, vs_compile=t_c / t_torch,
+                       vs_jnp=t_j / min(t_jax, t_torch_pipe))
+        rows.append(row)
+        del sets, outs, jsets, calls
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cases = [r for r in rows if "n" in r and r["n"] >= 64]
+    fig, ax = plt.subplots(figsize=(12, 4))
+    x = np.arange(len(cases))
+    ax.bar(x - 0.2, [r["%copy"] for r in cases], 0.4, label="ours (torch), % of copy BW")
+    ax.bar(x + 0.2, [100 * r["TB/s"] * r["torch_us"] / r["compile_us"] / rows[0]["TB/s"]
+                     if "compile_us" in r else 0 for r in cases], 0.4, label="torch.compile, % of copy BW")
+    ax.set_xticks(x, [r["name"] for r in cases], rotation=75, fontsize=7)
+    ax.set_ylabel("% of measured copy bandwidth")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,67 @@
+"""Run benchmarks on a GPU: ``python3 -m benchmarks.run [op ...] --out DIR``.
+
+Each ``benchmarks/bench_<op>.py`` exposes ``run() -> list[dict]`` (one row per
+case, plain numbers and strings) and ``COLUMNS`` (the columns to print).
+Results go to DIR/bench_<op>.json and a PNG plot per op (where the module
+provides ``plot(rows, path)``).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import pkgutil
+import sys
+import traceback
+
+
+def available_ops():
+    here = os.path.dirname(__file__)
+    return sorted(m.name[len("bench_"):] for m in pkgutil.iter_modules([here])
+                  if m.name.startswith("bench_"))
+
+
+def print_table(rows, columns):
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).ljust(widths[c]) for c in columns))
+
+
+def _fmt(v):
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("ops", nargs="*", default=[])
+    ap.add_argument("--out", default=os.environ.get("OUT", "results"))
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    ops = args.ops or available_ops()
+    failed = False
+    for op in ops:
+        print(f"\n=== {op}", flush=True)
+        try:
+            mod = importlib.import_module(f"benchmarks.bench_{op}")
+            rows = mod.run()
+        except Exception:
+            traceback.print_exc()
+            failed = True
+            continue
+        with open(os.path.join(args.out, f"bench_{op}.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        if hasattr(mod, "plot"):
+            try:
+                mod.plot(rows, os.path.join(args.out, f"bench_{op}.png"))
+            except Exception:
+                traceback.print_exc()
+        print_table(rows, mod.COLUMNS)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

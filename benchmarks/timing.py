@@ -1,0 +1,77 @@
+"""GPU timing shared by every benchmark (see shared/gpu.md, device METHOD.md).
+
+- ``kernel_time_torch``: CUDA-event median over many runs with L2 flushed
+  before each run (triton.testing.do_bench) — GPU time of the torch launch.
+- ``pipelined_time``: enqueue ``reps`` calls back to back (rotating between
+  input sets so nothing stays in L2) and wait once; per-call time is
+  max(GPU time, host dispatch time). This is how the JAX side is timed (JAX
+  runs on its own stream, so torch events cannot see it), and the torch side
+  is timed the same way for the JAX/torch ratio.
+- ``host_overhead``: per-call host time of a tiny launch, with the GPU idle.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def _sync(framework):
+    if framework == "torch":
+        import torch
+        torch.cuda.synchronize()
+
+
+def kernel_time_torch(fn, warmup_ms=25, rep_ms=200) -> float:
+    """Median seconds of ``fn()`` on the GPU, cold L2."""
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e-3
+
+
+def pipelined_time(calls, framework: str, reps: int = 200, trials: int = 5) -> float:
+    """Median over ``trials`` of (wall time of ``reps`` back-to-back calls) / reps.
+
+    ``calls`` is a list of zero-argument callables over different input sets;
+    a JAX callable returns arrays, the last of which is waited on.
+    """
+    def block(r):
+        if framework == "jax":
+            import jax
+            jax.block_until_ready(r)
+        else:
+            _sync("torch")
+
+    for c in calls:  # warm-up and compile
+        block(c())
+    results = []
+    for _ in range(trials):
+        block(calls[0]())
+        t0 = time.perf_counter()
+        r = None
+        for i in range(reps):
+            r = calls[i % len(calls)]()
+        block(r)
+        results.append((time.perf_counter() - t0) / reps)
+    return statistics.median(results)
+
+
+def host_overhead(call, framework: str, reps: int = 2000) -> float:
+    """Seconds of host time per call (the GPU keeps up with tiny kernels)."""
+    return pipelined_time([call], framework, reps=reps, trials=3)
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Measured device-to-device copy bandwidth in bytes/s (read + write counted)."""
+    import torch
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = kernel_time_torch(lambda: dst.copy_(src))
+    return nbytes / t
+
+
+def matmul_tflops(n: int = 8192) -> float:
+    """Measured dense bf16 matmul rate in FLOP/s on random data."""
+    import torch
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    t = kernel_time_torch(lambda: a @ b)
+    return 2 * n ** 3 / t

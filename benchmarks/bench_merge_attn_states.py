@@ -14,7 +14,7 @@ import numpy as np
 from benchmarks import timing
 from benchmarks.registry import merge_shapes
 
-COLUMNS = ["name", "torch_us", "TB/s", "%copy", "jax_us", "torch_pipe_us", "jax/torch",
+COLUMNS = ["name", "torch_us", "plain_triton_us", "torch_with_ctx_us", "TB/s", "%copy", "jax_us", "torch_pipe_us", "jax/torch",
            "compile_us", "jnp_us", "vs_compile", "vs_jnp"]
 ROTATE = 4  # input sets cycled so repeated calls never hit in L2
 
@@ -61,19 +61,22 @@ def tile_sweep(copy_bw):
     from adapters.torch._executor import info, run_plan
     from core_kernels.merge_attn_states import plan_merge_attn_states
     n, h, d = 16384, 32, 128
-    po, pl, so, sl = _inputs(n, h, d, "bfloat16", 1)[0]
-    out, lse = torch.empty_like(po), torch.empty_like(pl)
     rows = []
-    nbytes = 3 * n * h * d * 2 + 3 * n * h * 4
-    for tile in (1024, 2048, 4096, 8192, 16384):
-        for warps in (2, 4, 8, 16):
-            plan = plan_merge_attn_states(info(po), info(pl), info(so), info(sl), info(out), info(lse),
-                                          tile_elems=tile, num_warps=warps)
-            tensors = dict(output=out, output_lse=lse, prefix_output=po, prefix_lse=pl,
-                           suffix_output=so, suffix_lse=sl)
-            t = timing.kernel_time_torch(lambda: run_plan(plan, tensors, {}))
-            rows.append(dict(name=f"sweep-tile{tile}-w{warps}", torch_us=t * 1e6,
-                             **{"TB/s": nbytes / t / 1e12, "%copy": 100 * nbytes / t / copy_bw}))
+    for dtype in ("bfloat16", "float16", "float32"):
+        po, pl, so, sl = _inputs(n, h, d, dtype, 1)[0]
+        out, lse = torch.empty_like(po), torch.empty_like(pl)
+        nbytes = 3 * n * h * d * po.element_size() + 3 * n * h * 4
+        for tile in (2048, 4096, 8192):
+            for warps in (2, 4, 8):
+                for evict in ("", "evict_first"):
+                    plan = plan_merge_attn_states(info(po), info(pl), info(so), info(sl), info(out),
+                                                  info(lse), tile_elems=tile, num_warps=warps, evict=evict)
+                    tensors = dict(output=out, output_lse=lse, prefix_output=po, prefix_lse=pl,
+                                   suffix_output=so, suffix_lse=sl)
+                    t = timing.kernel_time_torch(lambda: run_plan(plan, tensors, {}))
+                    rows.append(dict(name=f"sweep-{dtype}-tile{tile}-w{warps}-{evict or 'normal'}",
+                                     torch_us=t * 1e6,
+                                     **{"TB/s": nbytes / t / 1e12, "%copy": 100 * nbytes / t / copy_bw}))
     return rows
 
 
@@ -90,6 +93,7 @@ def host_overheads():
     po, pl, so, sl = _inputs(1, 32, 128, "bfloat16", 1)[0]
     out, lse = torch.empty_like(po), torch.empty_like(pl)
     ours = timing.host_overhead(lambda: at.merge_attn_states(out, po, pl, so, sl, lse), "torch")
+    ours_ctx = timing.host_overhead(lambda: at.merge_attn_states(out, po, pl, so, sl, lse, 1), "torch")
     # the plain Triton launch of the same kernel, arguments prepared in advance
     launch = plan_merge_attn_states(info(po), info(pl), info(so), info(sl), info(out), info(lse)).launches[0]
     env = dict(output=out, output_lse=lse, prefix_output=po, prefix_lse=pl, suffix_output=so, suffix_lse=sl)
@@ -99,8 +103,8 @@ def host_overheads():
     jargs = [jax.dlpack.from_dlpack(t) for t in (po, pl, so, sl)]
     f = jax.jit(aj.merge_attn_states)
     jx = timing.host_overhead(lambda: f(*jargs), "jax")
-    return [dict(name="host-overhead-N1-32x128-bf16", torch_us=ours * 1e6, plain_triton_us=plain * 1e6,
-                 jax_us=jx * 1e6)]
+    return [dict(name="host-overhead-N1-32x128-bf16", torch_us=ours * 1e6, torch_with_ctx_us=ours_ctx * 1e6,
+                 plain_triton_us=plain * 1e6, jax_us=jx * 1e6)]
 
 
 def run():
@@ -112,6 +116,9 @@ def run():
     rows = [dict(name="copy-bandwidth", **{"TB/s": copy_bw / 1e12})]
     rows += tile_sweep(copy_bw)
     rows += host_overheads()
+    import torch._dynamo
+    torch._dynamo.config.recompile_limit = 1000
+    torch._dynamo.config.cache_size_limit = 1000
     compiled = torch.compile(_torch_math, dynamic=False)
     jnp_jit = jax.jit(_jnp_math)
     ours_jit = jax.jit(aj.merge_attn_states)

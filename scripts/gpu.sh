@@ -15,7 +15,7 @@ if [[ $what == tests || $what == all ]]; then
   files=()
   for op in "${ops[@]}"; do files+=("tests/test_${op}.py"); done
   [[ ${#files[@]} == 0 ]] && files=(tests)
-  python3 -m pytest "${files[@]}" -q -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || rc=1
+  python3 -m pytest "${files[@]}" -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || rc=1
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 -m benchmarks.run "${ops[@]}" --out "$OUT" 2>&1 | tee "$OUT/bench.log" || rc=1

@@ -100,7 +100,7 @@ def test_edge_cases(adapter, dtype):
 
 
 @pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("ptwc", [0, 5, 12, 20])
+@pytest.mark.parametrize("ptwc", [0, 1, 5, 12, 16, 20])
 def test_prefill_tokens_with_context(adapter, ptwc):
     po, pl, so, sl = special_inputs("float32")
     sl[2, 9] = np.inf  # copied as is for tokens without context
@@ -176,6 +176,19 @@ def test_torch_strided_and_padded(with_lse):
     assert_close(out, ref_out, "float16", "output")
     if with_lse:
         assert_close(lse, ref_lse, "float32", "output_lse")
+
+
+def test_torch_misaligned_views_after_aligned():
+    """The same shapes with a pointer off the 16-byte grid must not reuse a
+    kernel compiled for aligned pointers."""
+    po, pl, so, sl = make_inputs(6, 2, 32, "float32")
+    ref_out, _ = reference(po, pl, so, sl, 3)
+    for offset in (0, 1, 0):
+        flat = to_torch(np.concatenate([np.zeros(offset, np.float32), po.ravel()]))
+        po_t = flat[offset:].view(po.shape)
+        out = torch.full(po.shape, float("nan"), device=DEVICE)
+        at.merge_attn_states(out, po_t, *map(to_torch, (pl, so, sl)), prefill_tokens_with_context=3)
+        assert_close(torch_to_numpy(out), ref_out, "float32", f"offset {offset}")
 
 
 def test_torch_padding_heads_untouched():

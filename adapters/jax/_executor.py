@@ -96,8 +96,8 @@ def run_plan(plan: Plan, arrays: dict, runtime: dict | None = None) -> tuple:
                 array_pos.setdefault(a, sum(not isinstance(x, (int, np.float32)) for x in in_args))
                 in_args.append(env[a])
         aliases = {array_pos[o]: i for i, o in enumerate(launch.outputs) if o in array_pos}
-        zeroed = [i for i, o in enumerate(launch.outputs)
-                  if o not in array_pos and o in plan.buffers and plan.buffers[o].zero_init]
+        zeroed = tuple(i for i, o in enumerate(launch.outputs)
+                  if o not in array_pos and o in plan.buffers and plan.buffers[o].zero_init)
         outs = jt.triton_call(
             *in_args, kernel=launch.kernel, grid=launch.grid,
             out_shape=[_out_struct(plan, env, o) for o in launch.outputs],

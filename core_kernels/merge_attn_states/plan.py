@@ -1,6 +1,8 @@
 """Validation and launch plan for merge_attn_states (framework-free)."""
 from __future__ import annotations
 
+import math
+
 from .._plan import (FLOAT_DTYPES, FP8_MAX, ArrayInfo, Buffer, Launch, Plan, Scalar,
                      cdiv, check_dtype, check_inner_contiguous, check_ndim, check_shape,
                      memoize, next_pow2)
@@ -20,7 +22,7 @@ def plan_merge_attn_states(
     output: ArrayInfo | None = None, output_lse: ArrayInfo | None = None,
     *, want_output_lse: bool = True, num_ctx: str = "none",
     has_output_scale: bool = False, output_dtype: str | None = None,
-    tile_elems: int = TILE_ELEMS, num_warps: int = 4,
+    tile_elems: int = TILE_ELEMS, num_warps: int = 4, evict: str = "evict_first",
 ) -> Plan:
     """Plan the merge of two partial attention states.
 
@@ -89,7 +91,7 @@ def plan_merge_attn_states(
         grid=(cdiv(rows, block_r),),
         args=("prefix_output", "prefix_lse", "suffix_output", "suffix_lse",
               num_ctx_ptr, out_scale_ptr,
-              Scalar(rows), Scalar(h), Scalar(d), num_ctx_arg,
+              Scalar(rows), Scalar(h), num_ctx_arg,
               *(Scalar(s) for s in prefix_output.strides[:2]),
               *(Scalar(s) for s in suffix_output.strides[:2]),
               *(Scalar(s) for s in output.strides[:2]),
@@ -98,7 +100,10 @@ def plan_merge_attn_states(
               *(Scalar(s) for s in lse_strides)),
         # without output_lse the kernel never touches its pointer: repeat "output"
         outputs=("output", "output_lse" if has_out_lse else "output"),
-        constexprs=dict(BLOCK_R=block_r, BLOCK_D=block_d,
+        constexprs=dict(BLOCK_R=block_r, BLOCK_D=block_d, HEAD_SIZE=d,
+                        ROW_ALIGN=math.gcd(16, *prefix_output.strides[:2], *suffix_output.strides[:2],
+                                           *output.strides[:2]),
+                        EVICT=evict,
                         NUM_CTX_FROM_PTR=num_ctx == "array", HAS_OUT_LSE=has_out_lse,
                         HAS_SCALE=has_output_scale,
                         FP8_MAX=FP8_MAX.get(out_dtype, 0.0),

@@ -1,0 +1,62 @@
+"""Lightning attention for JAX: functional prefill and decode, usable under jax.jit."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from core_kernels.lightning_attention import (check_slot_ids, plan_lightning_attention,
+                                              plan_linear_decode)
+
+from ._executor import info, run_plan
+
+
+def lightning_attention(q, k, v, ed, *, block_size=256, kv_history=None,
+                        output_final_state_only=False):
+    """Linear attention with per-head decay over a whole sequence (prefill).
+
+    S_t = exp(-ed[h]) * S_{t-1} + k_t^T v_t (S_{-1} = kv_history or 0), o_t = q_t S_t.
+
+    Args:
+        q, k: [B, H, N, D]; v: [B, H, N, E]; float32/float16/bfloat16 (one dtype);
+            D, E <= 256, any size.
+        ed: [H] or [H, 1, 1] float32 decay rates.
+        block_size: positive int; granularity of the returned per-block states.
+        kv_history: optional [B, H, D, E] float32 starting state.
+        output_final_state_only: return only the final state.
+    Returns:
+        (output [B, H, N, E] in q's dtype, kv float32 [B, H, NB + 1, D, E] with
+        NB = ceil(N / block_size), or [B, H, D, E] with output_final_state_only).
+    """
+    arrays = dict(q=q, k=k, v=v, ed=ed)
+    if kv_history is not None:
+        arrays["kv_history"] = kv_history
+    plan = plan_lightning_attention(info(q), info(k), info(v), info(ed),
+                                    None if kv_history is None else info(kv_history),
+                                    block_size=block_size, output_final_state_only=output_final_state_only)
+    return run_plan(plan, arrays)
+
+
+def linear_decode_forward_triton(q, k, v, kv_caches, slope_rate, slot_idx):
+    """One decode step of lightning attention over a slot-indexed state cache.
+
+    Args:
+        q, k: [B, H, 1, D]; v: [B, H, 1, E]; float32/float16/bfloat16.
+        kv_caches: [num_slots, H, D, E] float32.
+        slope_rate: [H] or [H, 1, 1] float32.
+        slot_idx: [B] int32/int64; -1 marks padding (output 0, no cache write).
+            Ids outside [-1, num_slots) raise ValueError when the ids are host
+            data; traced or on the GPU such a row's output is NaN and no slot
+            is touched.
+    Returns:
+        (output [B, H * E] in q's dtype, new kv_caches). The cache is aliased to
+        the kernel's output: under jax.jit with kv_caches donated it is updated
+        in place, without a copy; slots not named in slot_idx keep their bits.
+    """
+    if isinstance(slot_idx, np.ndarray) or (
+            isinstance(slot_idx, jax.Array) and not isinstance(slot_idx, jax.core.Tracer)
+            and all(d.platform == "cpu" for d in slot_idx.devices())):
+        check_slot_ids(np.asarray(slot_idx), kv_caches.shape[0])
+    plan = plan_linear_decode(info(q), info(k), info(v), info(kv_caches), info(slope_rate),
+                              info(slot_idx))
+    return run_plan(plan, dict(q=q, k=k, v=v, kv_caches=kv_caches, slope_rate=slope_rate,
+                               slot_idx=slot_idx))

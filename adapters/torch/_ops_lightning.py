@@ -1,0 +1,110 @@
+"""Lightning attention for PyTorch: drop-ins for vLLM's `lightning_attention`
+(prefill) and `linear_decode_forward_triton` (decode), with the exact recurrence."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from core_kernels.lightning_attention import (check_slot_ids, plan_lightning_attention,
+                                              plan_linear_decode, prefill_state_shape)
+
+from ._executor import check_devices, info, run_plan
+from ._register import custom_op
+
+
+def _prefill_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.Tensor,
+                  block_size: int, kv_history: Optional[torch.Tensor],
+                  output_final_state_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    device = check_devices(q=q, k=k, v=v, ed=ed, kv_history=kv_history)
+    plan = plan_lightning_attention(info(q), info(k), info(v), info(ed),
+                                    None if kv_history is None else info(kv_history),
+                                    block_size=block_size, output_final_state_only=output_final_state_only)
+    tensors = dict(q=q, k=k, v=v, ed=ed)
+    if kv_history is not None:
+        tensors["kv_history"] = kv_history
+    env = run_plan(plan, tensors, device=device)
+    return env["output"], env["kv"]
+
+
+def _prefill_fake(q, k, v, ed, block_size, kv_history, output_final_state_only):
+    b, h, n, d = q.shape
+    e = v.shape[-1]
+    return (q.new_empty((b, h, n, e)),
+            q.new_empty(prefill_state_shape(b, h, n, d, e, block_size, output_final_state_only),
+                        dtype=torch.float32))
+
+
+_prefill_op = custom_op("lightning_attention", _prefill_impl, fake=_prefill_fake)
+
+
+def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.Tensor,
+                        block_size: int = 256, kv_history: Optional[torch.Tensor] = None,
+                        output_final_state_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Linear attention with per-head decay over a whole sequence (prefill).
+
+    S_t = exp(-ed[h]) * S_{t-1} + k_t^T v_t (S_{-1} = kv_history or 0), o_t = q_t S_t.
+
+    Args:
+        q, k: [B, H, N, D]; v: [B, H, N, E]; float32/float16/bfloat16 (one dtype),
+            innermost dim contiguous, other strides free. D, E <= 256, any size.
+        ed: [H] or [H, 1, 1] float32 decay rates s_h >= 0.
+        block_size: positive int; granularity of the returned per-block states.
+        kv_history: optional [B, H, D, E] float32 starting state; never modified.
+        output_final_state_only: return only the final state (no per-block states
+            are written).
+    Returns:
+        (output [B, H, N, E] in q's dtype, kv float32): kv is [B, H, NB + 1, D, E]
+        with NB = ceil(N / block_size), kv[:, :, i] the state before token
+        i * block_size and kv[:, :, NB] the final state; or [B, H, D, E] (final
+        state) with output_final_state_only.
+    Accumulation and state are fp32; on the GPU fp32/fp16 products run in tf32
+    and bf16 products in bf16. Works eagerly, under torch.compile and in CUDA
+    graphs; CPU tensors run under Triton's interpreter on a machine without a GPU.
+    """
+    return _prefill_op(q, k, v, ed, block_size, kv_history, output_final_state_only)
+
+
+def _decode_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_caches: torch.Tensor,
+                 slope_rate: torch.Tensor, slot_idx: torch.Tensor) -> torch.Tensor:
+    device = check_devices(q=q, k=k, v=v, kv_caches=kv_caches, slope_rate=slope_rate,
+                           slot_idx=slot_idx)
+    plan = plan_linear_decode(info(q), info(k), info(v), info(kv_caches), info(slope_rate),
+                              info(slot_idx))
+    if device.type == "cpu":  # host data: checking costs no device sync
+        check_slot_ids(slot_idx.numpy(), kv_caches.shape[0])
+    env = run_plan(plan, dict(q=q, k=k, v=v, kv_caches=kv_caches, slope_rate=slope_rate,
+                              slot_idx=slot_idx), device=device)
+    return env["output"]
+
+
+def _decode_fake(q, k, v, kv_caches, slope_rate, slot_idx):
+    return q.new_empty((q.shape[0], q.shape[1] * v.shape[-1]))
+
+
+_decode_op = custom_op("linear_decode_forward_triton", _decode_impl,
+                       mutates_args=("kv_caches",), fake=_decode_fake)
+
+
+def linear_decode_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 kv_caches: torch.Tensor, slope_rate: torch.Tensor,
+                                 slot_idx: torch.Tensor, BLOCK_SIZE: int = 32) -> torch.Tensor:
+    """One decode step of lightning attention over a slot-indexed state cache.
+
+    Args:
+        q, k: [B, H, 1, D]; v: [B, H, 1, E] (E = D in the models); float32/float16/
+            bfloat16, innermost dim contiguous, other strides free.
+        kv_caches: [num_slots, H, D, E] float32, any strides. Updated in place:
+            kv_caches[s, h] = exp(-slope_rate[h]) * kv_caches[s, h] + k^T v for
+            s = slot_idx[b]; no other slot is touched.
+        slope_rate: [H] or [H, 1, 1] float32.
+        slot_idx: [B] int32/int64; -1 marks a padding row (output 0, no cache
+            write). Ids outside [-1, num_slots) raise ValueError when slot_idx is
+            on the host; on the GPU (no sync) such a row's output is NaN and no
+            cache slot is touched.
+        BLOCK_SIZE: accepted for vLLM compatibility; the tiling is the planner's.
+    Returns:
+        output [B, H * E] in q's dtype, o = q S_new.
+    """
+    del BLOCK_SIZE
+    return _decode_op(q, k, v, kv_caches, slope_rate, slot_idx)

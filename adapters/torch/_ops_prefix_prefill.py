@@ -1,0 +1,86 @@
+"""context_attention_fwd for PyTorch: in place, a drop-in for vLLM's function."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from core_kernels.prefix_prefill import plan_prefix_prefill
+
+from ._executor import check_devices, info, run_plan
+from ._register import custom_op
+
+
+def _impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+          kv_cache_dtype: str, k_cache: torch.Tensor, v_cache: torch.Tensor,
+          b_loc: torch.Tensor, b_start_loc: torch.Tensor, b_seq_len: torch.Tensor,
+          max_input_len: int, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
+          alibi_slopes: Optional[torch.Tensor], sliding_window: Optional[int],
+          sm_scale: Optional[float], skip_decode: bool, fp8_out_scale: Optional[torch.Tensor],
+          sinks: Optional[torch.Tensor]) -> None:
+    tensors = dict(q=q, k=k, v=v, output=o, k_cache=k_cache, v_cache=v_cache, b_loc=b_loc,
+                   b_start_loc=b_start_loc, b_seq_len=b_seq_len, k_scale=k_scale,
+                   v_scale=v_scale, alibi_slopes=alibi_slopes, sinks=sinks,
+                   fp8_out_scale=fp8_out_scale)
+    tensors = {n: t for n, t in tensors.items() if t is not None}
+    device = check_devices(**tensors)
+    infos = {n: info(t) for n, t in tensors.items()}
+    plan = plan_prefix_prefill(
+        *(infos.get(n) for n in ("q", "k", "v", "k_cache", "v_cache", "b_loc", "b_start_loc",
+                                 "b_seq_len", "output", "k_scale", "v_scale", "alibi_slopes",
+                                 "sinks", "fp8_out_scale")),
+        max_input_len=max_input_len, kv_cache_dtype=kv_cache_dtype,
+        sliding_window=sliding_window, sm_scale=sm_scale, skip_decode=skip_decode)
+    run_plan(plan, tensors, device=device)
+
+
+_op = custom_op("context_attention_fwd", _impl, mutates_args=("o",))
+
+
+def _scale_tensor(name, value, like):
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    if not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a float or a 1-element float32 tensor, "
+                        f"got {type(value).__name__}")
+    return torch.tensor([float(value)], dtype=torch.float32, device=like.device)
+
+
+def context_attention_fwd(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b_start_loc,
+                          b_seq_len, max_seq_len, max_input_len, k_scale=None, v_scale=None,
+                          alibi_slopes=None, sliding_window=None, sm_scale=None,
+                          skip_decode=False, fp8_out_scale=None, sinks=None) -> None:
+    """Causal attention of new tokens over their paged context and themselves; writes ``o``.
+
+    Args:
+        q: [T, Hq, D] float32/float16/bfloat16, the new tokens of all sequences, packed.
+        k, v: [T, Hkv, D] (q's dtype), K/V of the new tokens; Hq % Hkv == 0.
+        o: [T, Hq, D] output, written in place: q's dtype, or float8_e4m3fn with
+            ``fp8_out_scale`` (o = fp8(clamp(attn / fp8_out_scale))).
+        kv_cache_dtype: "auto" (the cache dtype: q's, or an fp8 dtype), "fp8" /
+            "fp8_e4m3" or "fp8_e5m2" (a uint8 cache is reinterpreted).
+        k_cache: [num_blocks, Hkv, D // x, block_size, x]; v_cache: [num_blocks,
+            Hkv, D, block_size]; any x dividing D, any block_size.
+        b_loc: [B, max_blocks_per_seq] int32/int64 block table; b_start_loc: [B + 1]
+            cumulative query starts; b_seq_len: [B] context + query lengths (all
+            device data: new values never recompile).
+        max_seq_len: unused (vLLM signature). max_input_len: upper bound on the
+            query length of any sequence (sets the grid).
+        k_scale, v_scale: fp8 dequantisation scales (1-element float32 tensors or
+            floats), applied to fp8 cache values only.
+        alibi_slopes: optional [Hq] float; sliding_window: None or <= 0 disables,
+            else key t is visible to query position p iff p - t < window.
+        sm_scale: softmax scale (default 1/sqrt(D)); sinks: optional [Hq] logits
+            that join the softmax denominator only.
+        skip_decode: rows of sequences with a query length of 1 are left untouched.
+    All tensors may have any strides. Works eagerly, under
+    ``torch.compile(fullgraph=True)`` and in CUDA graphs; CPU tensors run under
+    Triton's interpreter on a machine without a GPU.
+    """
+    del max_seq_len
+    _op(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b_start_loc, b_seq_len,
+        int(max_input_len), _scale_tensor("k_scale", k_scale, q),
+        _scale_tensor("v_scale", v_scale, q), alibi_slopes,
+        None if sliding_window is None else int(sliding_window),
+        None if sm_scale is None else float(sm_scale), bool(skip_decode),
+        _scale_tensor("fp8_out_scale", fp8_out_scale, q), sinks)

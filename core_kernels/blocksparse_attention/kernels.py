@@ -1,0 +1,331 @@
+"""Triton kernels for block-sparse varlen attention (framework-free).
+
+Three kernels:
+- ``_bsattn_fwd_kernel``: any batch (prefill, prefill over a cached prefix,
+  decode, mixed). A 1-D grid of (tile, head) programs; the tile schedule is
+  read from cu_seqlens on the device (a cumsum over the batch inside every
+  program), so the grid depends only on static bounds.
+- ``_bsattn_decode_kernel`` + ``_bsattn_combine_kernel``: decode-only batches
+  (one query per sequence), the row's key blocks split across programs
+  (flash-decoding), then merged by their log-sum-exps.
+
+Positions are absolute (query i of a sequence sits at past + i, past =
+k_len - q_len); query tiles are aligned to absolute positions, so a tile of
+BLOCK_M <= BLOCK_SIZE queries lies in one layout row.
+Scores are kept in base 2: qk * QK_SCALE (= sm_scale * log2(e), a constexpr:
+jax-triton bakes scalars into the program anyway), exp2.
+"""
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+# NOTE: tl.sum / tl.max / tl.cumsum / tl.zeros are themselves @triton.jit
+# functions that core_kernels._interpret cannot swap for interpreted copies;
+# tl.reduce / tl.associative_scan with the same combine functions are what they
+# expand to on the GPU, and the interpreter runs them as numpy reductions.
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _sum(x, AXIS: tl.constexpr):
+    return tl.reduce(x, AXIS, tl.standard._sum_combine)
+
+
+@triton.jit
+def _max(x, AXIS: tl.constexpr):
+    return tl.reduce(x, AXIS, tl.standard._elementwise_max)
+
+
+@triton.jit
+def _attend_block(acc, m_i, l_i, b_q, k_ptrs, v_ptrs, kpos, q_pos, k_len, qk_scale, drop,
+                  m_dk, m_dv, MASKED: tl.constexpr, HAS_DROP: tl.constexpr,
+                  EVEN_D: tl.constexpr, IS_FP32: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] step of the online softmax.
+
+    kpos [BLOCK_N] absolute key positions; MASKED applies the token-level
+    causal mask (and bounds); ``drop`` (scalar) masks the whole block.
+    """
+    if MASKED:
+        m_k = kpos < k_len
+        if EVEN_D:
+            b_kt = tl.load(k_ptrs, mask=m_k[None, :], other=0.0)            # [BLOCK_D, BLOCK_N]
+        else:
+            b_kt = tl.load(k_ptrs, mask=m_k[None, :] & m_dk, other=0.0)
+    else:
+        if EVEN_D:
+            b_kt = tl.load(k_ptrs)
+        else:
+            b_kt = tl.load(k_ptrs, mask=m_dk, other=0.0)
+    if IS_FP32:
+        b_s = tl.dot(b_q, b_kt, input_precision="ieee")                 # [BLOCK_M, BLOCK_N]
+    else:
+        b_s = tl.dot(b_q, b_kt)
+    b_s = b_s * qk_scale
+    if MASKED:
+        m_s = kpos[None, :] <= q_pos[:, None]
+        if HAS_DROP:
+            m_s = m_s & (drop == 0)
+        b_s = tl.where(m_s, b_s, float("-inf"))
+    m_new = tl.maximum(m_i, _max(b_s, 1))
+    if MASKED:  # a row may have no key yet: keep exp2 away from (-inf) - (-inf)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.math.exp2(m_i - m_use)
+    b_p = tl.math.exp2(b_s - m_use[:, None])
+    l_i = l_i * alpha + _sum(b_p, 1)
+    if MASKED:
+        if EVEN_D:
+            b_v = tl.load(v_ptrs, mask=m_k[:, None], other=0.0)             # [BLOCK_N, BLOCK_D]
+        else:
+            b_v = tl.load(v_ptrs, mask=m_k[:, None] & m_dv, other=0.0)
+    else:
+        if EVEN_D:
+            b_v = tl.load(v_ptrs)
+        else:
+            b_v = tl.load(v_ptrs, mask=m_dv, other=0.0)
+    acc = acc * alpha[:, None]
+    if IS_FP32:
+        acc += tl.dot(b_p, b_v, input_precision="ieee")
+    else:
+        acc += tl.dot(b_p.to(b_v.dtype), b_v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _bsattn_fwd_kernel(
+    # input pointers
+    q_ptr, k_ptr, v_ptr, cu_k_ptr, cu_q_ptr, crow_ptr, col_ptr,
+    # runtime scalars
+    num_seqs, num_heads, num_rows, head_size, num_queries_per_kv,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_crow_h, stride_col_h,
+    # output pointers
+    out_ptr,
+    # constexprs
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, GROUP: tl.constexpr, B_P2: tl.constexpr, NNZ_P2: tl.constexpr,
+    CNT_CHUNK: tl.constexpr, DECODE_Q: tl.constexpr, EVEN_D: tl.constexpr,
+    IS_FP32: tl.constexpr, QK_SCALE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    i_h = pid % num_heads   # heads fastest: the heads of one KV group run together (L2 reuse)
+    # heaviest tiles (the last of each sequence) first
+    flat = tl.num_programs(0) // num_heads - 1 - pid // num_heads
+
+    # ---- tile schedule from cu_seqlens, on the device
+    o_b = tl.arange(0, B_P2)
+    m_b = o_b < num_seqs
+    k_lo_b = tl.load(cu_k_ptr + o_b, mask=m_b, other=0)
+    k_len_b = tl.load(cu_k_ptr + o_b + 1, mask=m_b, other=0) - k_lo_b
+    if DECODE_Q:
+        q_lo_b = o_b
+        q_len_b = tl.where(m_b, 1, 0)
+    else:
+        q_lo_b = tl.load(cu_q_ptr + o_b, mask=m_b, other=0)
+        q_len_b = tl.load(cu_q_ptr + o_b + 1, mask=m_b, other=0) - q_lo_b
+    past_b = k_len_b - q_len_b
+    first_b = past_b // BLOCK_M
+    tiles_b = tl.where(q_len_b > 0, (k_len_b + BLOCK_M - 1) // BLOCK_M - first_b, 0)
+    end_b = tl.associative_scan(tiles_b, 0, _add)  # inclusive cumsum 
+    i_b = _sum((end_b <= flat).to(tl.int32), 0)
+    if i_b >= num_seqs:
+        return
+    sel = o_b == i_b
+    k_lo = _sum(tl.where(sel, k_lo_b, 0), 0)
+    k_len = _sum(tl.where(sel, k_len_b, 0), 0)
+    q_lo = _sum(tl.where(sel, q_lo_b, 0), 0)
+    past = _sum(tl.where(sel, past_b, 0), 0)
+    tile = _sum(tl.where(sel, first_b + flat - end_b + tiles_b, 0), 0)
+
+    # ---- query tile
+    o_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)          # absolute query positions
+    m_m = (o_m >= past) & (o_m < k_len)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < head_size
+    q_rows = (q_lo + o_m - past).to(tl.int64)
+    p_q = q_ptr + q_rows[:, None] * stride_qt + i_h * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    qk_scale = QK_SCALE
+
+    i_kvh = (i_h // num_queries_per_kv).to(tl.int64)
+    k_base = k_ptr + k_lo.to(tl.int64) * stride_kt + i_kvh * stride_kh
+    v_base = v_ptr + k_lo.to(tl.int64) * stride_vt + i_kvh * stride_vh
+    o_n = tl.arange(0, BLOCK_N)
+    k_offs = o_n[None, :] * stride_kt + o_d[:, None]     # [BLOCK_D, BLOCK_N]: K^T tile
+    v_offs = o_n[:, None] * stride_vt + o_d[None, :]     # [BLOCK_N, BLOCK_D]
+    m_dk = m_d[:, None]
+    m_dv = m_d[None, :]
+    p_crow = crow_ptr + i_h * stride_crow_h
+    p_col = col_ptr + i_h * stride_col_h
+    qb = (tile * BLOCK_M) // BLOCK_SIZE                   # the layout row of this tile
+    SUB: tl.constexpr = BLOCK_SIZE // BLOCK_N
+
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+
+    if GROUP == 1:
+        start = tl.load(p_crow + qb)
+        end = tl.load(p_crow + qb + 1)
+        # columns are ascending: those below the tile's row need no mask
+        n_below = start * 0
+        for off in range(start, end, CNT_CHUNK):
+            o_c = off + tl.arange(0, CNT_CHUNK)
+            b_c = tl.load(p_col + o_c, mask=o_c < end, other=2147483647)
+            n_below += _sum((b_c < qb).to(tl.int32), 0)
+        for j in range(start * SUB, (start + n_below) * SUB):
+            c = tl.load(p_col + j // SUB)
+            kstart = (c * BLOCK_SIZE + (j % SUB) * BLOCK_N).to(tl.int64)
+            acc, m_i, l_i = _attend_block(
+                acc, m_i, l_i, b_q, k_base + kstart * stride_kt + k_offs,
+                v_base + kstart * stride_vt + v_offs, kstart + o_n, o_m, k_len, qk_scale, 0,
+                m_dk, m_dv, False, False, EVEN_D, IS_FP32)
+        for j in range((start + n_below) * SUB, end * SUB):
+            c = tl.load(p_col + j // SUB)
+            kstart = (c * BLOCK_SIZE + (j % SUB) * BLOCK_N).to(tl.int64)
+            acc, m_i, l_i = _attend_block(
+                acc, m_i, l_i, b_q, k_base + kstart * stride_kt + k_offs,
+                v_base + kstart * stride_vt + v_offs, kstart + o_n, o_m, k_len, qk_scale, 0,
+                m_dk, m_dv, True, False, EVEN_D, IS_FP32)
+    else:
+        # q_block_size = GROUP rows: attend to the union of the group's rows,
+        # each column once (a column already in an earlier row is dropped)
+        g0 = (qb // GROUP) * GROUP
+        for r in tl.static_range(GROUP):
+            row = g0 + r
+            row_c = tl.minimum(row, num_rows - 1)
+            start = tl.load(p_crow + row_c)
+            end = tl.where(row < num_rows, tl.load(p_crow + row_c + 1), start)
+            for j in range(start * SUB, end * SUB):
+                c = tl.load(p_col + j // SUB)
+                drop = c * 0
+                for r2 in tl.static_range(r):
+                    s2 = tl.load(p_crow + g0 + r2)
+                    e2 = tl.load(p_crow + g0 + r2 + 1)
+                    o_c = s2 + tl.arange(0, NNZ_P2)
+                    b_c = tl.load(p_col + o_c, mask=o_c < e2, other=-1)
+                    drop += _sum((b_c == c).to(tl.int32), 0)
+                kstart = (c * BLOCK_SIZE + (j % SUB) * BLOCK_N).to(tl.int64)
+                acc, m_i, l_i = _attend_block(
+                    acc, m_i, l_i, b_q, k_base + kstart * stride_kt + k_offs,
+                    v_base + kstart * stride_vt + v_offs, kstart + o_n, o_m, k_len, qk_scale,
+                    drop, m_dk, m_dv, True, True, EVEN_D, IS_FP32)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    b_o = acc / l_safe[:, None]
+    p_o = out_ptr + q_rows[:, None] * stride_ot + i_h * stride_oh + o_d[None, :]
+    tl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
+
+
+@triton.jit
+def _bsattn_decode_kernel(
+    # input pointers
+    q_ptr, k_ptr, v_ptr, cu_k_ptr, crow_ptr, col_ptr,
+    # runtime scalars
+    num_heads, head_size, num_queries_per_kv,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_crow_h, stride_col_h,
+    # output pointers
+    out_ptr, part_o_ptr, part_lse_ptr,
+    # constexprs
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, EVEN_D: tl.constexpr, QK_SCALE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    i_h = pid % num_heads
+    i_s = (pid // num_heads) % NUM_SPLITS
+    i_b = pid // (num_heads * NUM_SPLITS)
+    k_lo = tl.load(cu_k_ptr + i_b)
+    k_len = tl.load(cu_k_ptr + i_b + 1) - k_lo
+    q_pos = k_len - 1
+    qb = tl.maximum(q_pos, 0) // BLOCK_SIZE
+    p_crow = crow_ptr + i_h * stride_crow_h
+    p_col = col_ptr + i_h * stride_col_h
+    SUB: tl.constexpr = BLOCK_SIZE // BLOCK_N
+    start = tl.load(p_crow + qb) * SUB
+    n = tl.load(p_crow + qb + 1) * SUB - start
+    per = (n + NUM_SPLITS - 1) // NUM_SPLITS
+    lo = start + i_s * per
+    hi = tl.minimum(lo + per, start + n)
+
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < head_size
+    o_n = tl.arange(0, BLOCK_N)
+    b_q = tl.load(q_ptr + i_b.to(tl.int64) * stride_qt + i_h * stride_qh + o_d, mask=m_d, other=0.0)
+    b_q = b_q.to(tl.float32) * QK_SCALE
+    i_kvh = (i_h // num_queries_per_kv).to(tl.int64)
+    k_base = k_ptr + k_lo.to(tl.int64) * stride_kt + i_kvh * stride_kh
+    v_base = v_ptr + k_lo.to(tl.int64) * stride_vt + i_kvh * stride_vh
+    k_offs = o_n[:, None] * stride_kt + o_d[None, :]
+    v_offs = o_n[:, None] * stride_vt + o_d[None, :]
+
+    acc = tl.full([BLOCK_D], 0.0, tl.float32)
+    m_i = _max(tl.full([BLOCK_N], float("-inf"), tl.float32), 0)
+    l_i = _sum(tl.full([BLOCK_N], 0.0, tl.float32), 0)
+    for j in range(lo, hi):
+        c = tl.load(p_col + j // SUB)
+        kstart = (c * BLOCK_SIZE + (j % SUB) * BLOCK_N).to(tl.int64)
+        kpos = kstart + o_n
+        m_k = kpos <= q_pos
+        if EVEN_D:
+            m_kd = m_k[:, None]
+        else:
+            m_kd = m_k[:, None] & m_d[None, :]
+        b_k = tl.load(k_base + kstart * stride_kt + k_offs, mask=m_kd, other=0.0).to(tl.float32)
+        b_s = _sum(b_k * b_q[None, :], 1)                                # [BLOCK_N]
+        b_s = tl.where(m_k, b_s, float("-inf"))
+        m_new = tl.maximum(m_i, _max(b_s, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        b_p = tl.math.exp2(b_s - m_use)
+        l_i = l_i * alpha + _sum(b_p, 0)
+        b_v = tl.load(v_base + kstart * stride_vt + v_offs, mask=m_kd, other=0.0).to(tl.float32)
+        acc = acc * alpha + _sum(b_p[:, None] * b_v, 0)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    b_o = acc / l_safe
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + i_b.to(tl.int64) * stride_ot + i_h * stride_oh + o_d,
+                 b_o.to(out_ptr.dtype.element_ty), mask=m_d)
+    else:
+        row = (i_b * num_heads + i_h) * NUM_SPLITS + i_s
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
+        tl.store(part_o_ptr + row.to(tl.int64) * head_size + o_d, b_o, mask=m_d)
+        tl.store(part_lse_ptr + row, lse)
+
+
+@triton.jit
+def _bsattn_combine_kernel(
+    # input pointers
+    part_o_ptr, part_lse_ptr,
+    # runtime scalars
+    num_heads, head_size, stride_ot, stride_oh,
+    # output pointers
+    out_ptr,
+    # constexprs
+    NUM_SPLITS: tl.constexpr, S_P2: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    i_h = pid % num_heads
+    i_b = pid // num_heads
+    o_s = tl.arange(0, S_P2)
+    m_s = o_s < NUM_SPLITS
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < head_size
+    rows = (i_b * num_heads + i_h) * NUM_SPLITS + o_s
+    b_lse = tl.load(part_lse_ptr + rows, mask=m_s, other=float("-inf"))   # [S_P2]
+    m = _max(b_lse, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(b_lse - m_use)
+    w_sum = _sum(w, 0)
+    b_o = tl.load(part_o_ptr + rows.to(tl.int64)[:, None] * head_size + o_d[None, :],
+                  mask=m_s[:, None] & m_d[None, :], other=0.0)             # [S_P2, BLOCK_D]
+    out = _sum(w[:, None] * b_o, 0) / tl.where(w_sum == 0.0, 1.0, w_sum)
+    tl.store(out_ptr + i_b.to(tl.int64) * stride_ot + i_h * stride_oh + o_d,
+             out.to(out_ptr.dtype.element_ty), mask=m_d)

@@ -1,0 +1,195 @@
+"""Validation and launch plan for block-sparse varlen attention (framework-free)."""
+from __future__ import annotations
+
+import math
+
+from .._plan import (FLOAT_DTYPES, ITEMSIZE, ArrayInfo, Buffer, Launch, Plan, Scalar, cdiv,
+                     check_dtype, check_inner_contiguous, check_ndim, memoize, next_pow2)
+from .kernels import LOG2E, _bsattn_combine_kernel, _bsattn_decode_kernel, _bsattn_fwd_kernel
+
+MAX_HEAD_SIZE = 256
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+# NOTE: H200 has 132 SMs; decode splits a row's key blocks until about
+# DECODE_TARGET_PROGRAMS programs are in flight (flash-decoding). Framework-free
+# code cannot ask the device, so the number is fixed here.
+DECODE_TARGET_PROGRAMS = 2 * 132
+# NOTE: shared memory per CTA on Hopper is 227 KiB; keep Q + stages x (K + V)
+# under this so large D / fp32 still compile.
+SMEM_BUDGET = 200 * 1024
+
+
+def _prefill_config(block_size, d_pad, itemsize, block_m, block_n, num_warps, num_stages):
+    # NOTE: 64 x 64 tiles (one warpgroup per tile) match the 64-token layout
+    # rows of the models this serves; a tile never spans two layout rows, so
+    # no per-row membership mask is needed. Tuned in benchmarks/bench_blocksparse_attention.py.
+    bm = block_m or min(block_size, 64)
+    bn = block_n or min(block_size, 64)
+    stages = num_stages or 3
+    while (bm + stages * 2 * bn) * d_pad * itemsize > SMEM_BUDGET:
+        if stages > 1:
+            stages -= 1
+        elif bn > 16:
+            bn //= 2
+        elif bm > 16:
+            bm //= 2
+        else:
+            break
+    warps = num_warps or (4 if d_pad <= 128 else 8)
+    return bm, bn, warps, stages
+
+
+@memoize
+def plan_blocksparse_attention(
+    q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, cu_seqlens_k: ArrayInfo,
+    cu_seqlens_q: ArrayInfo | None, crow: ArrayInfo, col: ArrayInfo, *,
+    sm_scale: float | None = None, block_size: int = 64, q_block_size: int | None = None,
+    max_seqlen: int | None = None, block_m: int | None = None, block_n: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None,
+    decode_splits: int | None = None, use_decode_kernel: bool = True,
+) -> Plan:
+    """Plan ``blocksparse_flash_attn_varlen_fwd`` (see the adapters' docstrings).
+
+    Array names: q, k, v, cu_seqlens_k, cu_seqlens_q (absent: None), crow, col;
+    the plan allocates ``output`` [Tq, Hq, D] (q's dtype) and, for split
+    decode, fp32 scratch. Nothing here reads device data: grids come from
+    shapes and ``max_seqlen`` (default: what the layout covers).
+    The keyword arguments after ``max_seqlen`` override tuning choices.
+    """
+    check_ndim("q", q, 3, "[Tq, Hq, D]")
+    check_dtype("q", q, FLOAT_DTYPES)
+    tq, hq, d = q.shape
+    check_ndim("k", k, 3, "[Tk, Hkv, D]")
+    check_ndim("v", v, 3, "[Tk, Hkv, D]")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v: shape {tuple(v.shape)} differs from k's {tuple(k.shape)}")
+    for name, info in (("k", k), ("v", v)):
+        if info.dtype != q.dtype:
+            raise TypeError(f"{name}: dtype {info.dtype} differs from q's {q.dtype}")
+    tk, hkv, dk = k.shape
+    if dk != d:
+        raise ValueError(f"k: head size {dk} differs from q's {d}")
+    if not 1 <= d <= MAX_HEAD_SIZE:
+        raise ValueError(f"q: head size {d} is not in [1, {MAX_HEAD_SIZE}]")
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"k: {hkv} KV heads do not divide q's {hq} heads (Hq % Hkv must be 0)")
+    for name, info in (("q", q), ("k", k), ("v", v)):
+        check_inner_contiguous(name, info)
+
+    check_ndim("cu_seqlens_k", cu_seqlens_k, 1, "[B + 1]")
+    check_dtype("cu_seqlens_k", cu_seqlens_k, ("int32",))
+    if cu_seqlens_k.shape[0] < 1:
+        raise ValueError("cu_seqlens_k: expected shape [B + 1], got an empty array")
+    b = cu_seqlens_k.shape[0] - 1
+    if cu_seqlens_q is not None:
+        check_dtype("cu_seqlens_q", cu_seqlens_q, ("int32",))
+        if tuple(cu_seqlens_q.shape) != tuple(cu_seqlens_k.shape):
+            raise ValueError(f"cu_seqlens_q: shape {tuple(cu_seqlens_q.shape)} does not match "
+                             f"cu_seqlens_k's {tuple(cu_seqlens_k.shape)} (one entry per sequence + 1)")
+        decode_only = False
+    elif tq == b:
+        decode_only = True
+    elif tq == tk:
+        decode_only = False
+    else:
+        raise ValueError(f"cu_seqlens_q: needed when q has {tq} tokens, neither B = {b} "
+                         f"(decode) nor k's {tk} (full prefill)")
+
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"block_size: expected one of {BLOCK_SIZES}, got {block_size!r}")
+    if q_block_size is None:
+        q_block_size = block_size
+    if not isinstance(q_block_size, int) or q_block_size < block_size or q_block_size % block_size:
+        raise ValueError(f"q_block_size: expected a positive multiple of block_size={block_size}, "
+                         f"got {q_block_size!r}")
+    group = q_block_size // block_size
+
+    for name, info in (("crow", crow), ("col", col)):
+        if info.ndim not in (1, 2):
+            raise ValueError(f"sparse_layout: {name} must be [H, ...] or 1-D, got shape {tuple(info.shape)}")
+        check_dtype(f"sparse_layout ({name})", info, ("int32",))
+        check_inner_contiguous(f"sparse_layout ({name})", info)
+    if crow.ndim != col.ndim or (crow.ndim == 2 and crow.shape[0] != col.shape[0]):
+        raise ValueError(f"sparse_layout: crow {tuple(crow.shape)} and col {tuple(col.shape)} "
+                         "disagree on the number of heads")
+    layout_heads = crow.shape[0] if crow.ndim == 2 else 1
+    if layout_heads not in (1, hq):
+        raise ValueError(f"sparse_layout: {layout_heads} layout heads do not match q's {hq} heads "
+                         "(expected 1, broadcast, or Hq)")
+    nb = crow.shape[-1] - 1
+    if nb < 1:
+        raise ValueError(f"sparse_layout: crow must have NB + 1 >= 2 entries per head, got {crow.shape}")
+    covered = nb * block_size
+    if max_seqlen is None:
+        max_seqlen = covered
+    if not isinstance(max_seqlen, int) or max_seqlen < 1:
+        raise ValueError(f"max_seqlen: expected a positive int, got {max_seqlen!r}")
+    if max_seqlen > covered:
+        raise ValueError(f"max_seqlen: {max_seqlen} exceeds the {covered} tokens the layout covers "
+                         f"({nb} blocks of {block_size})")
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    qk_scale = scale * LOG2E
+    stride_crow_h = crow.strides[0] if layout_heads > 1 else 0
+    stride_col_h = col.strides[0] if layout_heads > 1 else 0
+
+    buffers = {"output": Buffer((tq, hq, d), q.dtype)}
+    if tq == 0 or b == 0 or hq == 0:
+        return Plan(buffers, (), ("output",))
+    d_pad = max(16, next_pow2(d))
+    even_d = d_pad == d
+    cu_q_name = "cu_seqlens_q" if cu_seqlens_q is not None else "cu_seqlens_k"
+    strides = (*q.strides[:2], *k.strides[:2], *v.strides[:2])
+    out_strides = (hq * d, d)
+
+    if decode_only and group == 1 and use_decode_kernel:
+        bn = min(block_size, 64)
+        if decode_splits is None:
+            row_bound = cdiv(min(col.shape[-1], nb) * block_size, bn)
+            splits = max(1, min(cdiv(DECODE_TARGET_PROGRAMS, b * hq), cdiv(row_bound, 2), 32))
+        else:
+            splits = int(decode_splits)
+        # one split writes the output directly; the scratch is then a 1-element dummy
+        # (a distinct name: the JAX executor makes one buffer per output name)
+        buffers["part_o"] = Buffer((b, hq, splits, d) if splits > 1 else (1,), "float32")
+        buffers["part_lse"] = Buffer((b, hq, splits) if splits > 1 else (1,), "float32")
+        part = ("part_o", "part_lse")
+        decode = Launch(
+            kernel=_bsattn_decode_kernel, grid=(b * hq * splits,),
+            args=("q", "k", "v", "cu_seqlens_k", "crow", "col",
+                  Scalar(hq), Scalar(d), Scalar(hq // hkv),
+                  *(Scalar(s) for s in strides), *(Scalar(s) for s in out_strides),
+                  Scalar(stride_crow_h), Scalar(stride_col_h)),
+            outputs=("output", *part),
+            constexprs=dict(BLOCK_SIZE=block_size, BLOCK_N=bn, BLOCK_D=d_pad,
+                            NUM_SPLITS=splits, EVEN_D=even_d, QK_SCALE=qk_scale),
+            num_warps=num_warps or 4, num_stages=num_stages or 2)
+        launches = [decode]
+        if splits > 1:
+            launches.append(Launch(
+                kernel=_bsattn_combine_kernel, grid=(b * hq,),
+                args=("part_o", "part_lse", Scalar(hq), Scalar(d),
+                      *(Scalar(s) for s in out_strides)),
+                outputs=("output",),
+                constexprs=dict(NUM_SPLITS=splits, S_P2=next_pow2(splits), BLOCK_D=d_pad),
+                num_warps=4, num_stages=1))
+        return Plan(buffers, tuple(launches), ("output",))
+
+    bm, bn, warps, stages = _prefill_config(block_size, d_pad, ITEMSIZE[q.dtype],
+                                            block_m, block_n, num_warps, num_stages)
+    if block_size % bm or block_size % bn:
+        raise ValueError(f"block_m/block_n must divide block_size={block_size}, got {bm}/{bn}")
+    q_tokens = b if decode_only else tq
+    # tiles of one sequence <= ceil(q_len / BM) + 1 (alignment) and <= ceil(max_seqlen / BM)
+    n_flat = min(cdiv(q_tokens, bm) + 2 * b, b * cdiv(max_seqlen, bm))
+    launch = Launch(
+        kernel=_bsattn_fwd_kernel, grid=(n_flat * hq,),
+        args=("q", "k", "v", "cu_seqlens_k", cu_q_name, "crow", "col",
+              Scalar(b), Scalar(hq), Scalar(nb), Scalar(d), Scalar(hq // hkv),
+              *(Scalar(s) for s in strides), *(Scalar(s) for s in out_strides),
+              Scalar(stride_crow_h), Scalar(stride_col_h)),
+        outputs=("output",),
+        constexprs=dict(BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d_pad, GROUP=group,
+                        B_P2=max(2, next_pow2(b)), NNZ_P2=max(2, next_pow2(min(col.shape[-1], nb))),
+                        CNT_CHUNK=64, DECODE_Q=decode_only, EVEN_D=even_d,
+                        IS_FP32=q.dtype == "float32", QK_SCALE=qk_scale),
+        num_warps=warps, num_stages=stages)
+    return Plan(buffers, (launch,), ("output",))

@@ -1,0 +1,273 @@
+"""Triton kernel for context_attention_fwd (prefix prefill over a paged KV cache).
+
+One program computes a [BLOCK_M, D] tile of output rows of one query head of
+one sequence with a flash-attention forward: online softmax in base 2 (the
+softmax scale and log2(e) folded into one multiplier), fp32 accumulation, and
+key tiles of BLOCK_N tokens taken first from the paged cache (the context),
+then from k/v (the new tokens).
+
+For each of the two key sources the visible key range of the row tile is
+split into three runs of tiles: [masked | full | masked]. Full tiles are
+visible to every row of the tile (inside the context, causal for every row,
+inside the window for every row): they need no mask and no bounds, which is
+the hot loop. Masked tiles carry the causal / window / bounds mask, and their
+loads are masked too, so cache tokens that no row of the tile can see are
+never read (stale NaN there cannot leak, unused block-table slots are never
+dereferenced). Tiles outside the visible range are skipped entirely.
+"""
+import triton
+import triton.language as tl
+
+from .._triton_utils import round_to_fp8_grid
+
+# Finite "minus infinity" for the running max: keeps exp2(m_old - m_new) and
+# exp2(-inf - m) free of inf - inf while a row has seen no visible key yet.
+NEG_BIG = tl.constexpr(-1.0e30)
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+# NOTE: tl.max / tl.sum / tl.zeros are themselves @triton.jit functions, which
+# core_kernels._interpret cannot swap for interpreted copies; tl.reduce with
+# the same combine functions is what they expand to on the GPU, and the
+# interpreter runs those combine functions as vectorised numpy reductions.
+@triton.jit
+def _row_max(x):
+    return tl.reduce(x, 1, tl.standard._elementwise_max)
+
+
+@triton.jit
+def _row_sum(x):
+    return tl.reduce(x, 1, tl.standard._sum_combine)
+
+
+@triton.jit
+def _tile_runs(lo_key, hi_key, full_lo_key, full_hi_key, BLOCK_N: tl.constexpr):
+    """Tile indices [t0, t1) masked, [t1, t2) full, [t2, t3) masked.
+
+    Keys [lo_key, hi_key) are visible to some row, [full_lo_key, full_hi_key)
+    to every row. All arguments are >= 0 (integer division of negative
+    numbers rounds differently on the GPU and in the interpreter).
+    """
+    t0 = lo_key // BLOCK_N
+    t3 = tl.maximum((hi_key + BLOCK_N - 1) // BLOCK_N, t0)
+    t1 = tl.minimum(tl.maximum((full_lo_key + BLOCK_N - 1) // BLOCK_N, t0), t3)
+    t2 = tl.maximum(tl.minimum(full_hi_key // BLOCK_N, t3), t1)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _attend(
+    acc, l_i, m_i, b_q, o_d, p_pos,
+    t_a, t_b, t_c, t_d, lo_key, hi_key, pos_base, window, qk_scale2, alibi2, v_scale,
+    k_base, v_base, stride_k_tok, stride_k_d, stride_v_tok, stride_v_d,
+    b_loc_row, stride_bl_n,
+    stride_kc_b, stride_kc_dx, stride_vc_b, stride_vc_d,
+    FROM_CACHE: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr, HEAD_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, X: tl.constexpr,
+    ID_RUN: tl.constexpr, KV_FP8: tl.constexpr, FP8_TYPE: tl.constexpr,
+    DOT_TYPE: tl.constexpr, KC_STRIDE_T: tl.constexpr, KC_STRIDE_X: tl.constexpr,
+    VC_STRIDE_T: tl.constexpr,
+):
+    """Online softmax over the key tiles [t_a, t_b) and [t_c, t_d) of one source."""
+    m_d = o_d < HEAD_D
+    n_first = t_b - t_a
+    for i_k in range(0, n_first + (t_d - t_c)):
+        i_n = tl.where(i_k < n_first, t_a + i_k, t_c + (i_k - n_first))
+        o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] key index in its source
+        if MASKED:
+            m_n = (o_n >= lo_key) & (o_n < hi_key)
+            m_kt = m_n[None, :]
+            m_v = m_n[:, None]
+            if not EVEN_D:
+                m_kt = m_kt & m_d[:, None]
+                m_v = m_v & m_d[None, :]
+        else:
+            m_kt = m_d[:, None]
+            m_v = m_d[None, :]
+        if FROM_CACHE:
+            tok = o_n
+            if MASKED:
+                # clamp into the visible range: only live block-table slots are read
+                tok = tl.minimum(tl.maximum(o_n, lo_key), hi_key - 1)
+            i_blk = tl.load(b_loc_row + (tok // CACHE_BLOCK) * stride_bl_n).to(tl.int64)
+            # tiles start at multiples of BLOCK_N, so aligned runs of ID_RUN
+            # = gcd(BLOCK_N, CACHE_BLOCK) tokens share one physical block
+            i_blk = tl.max_constancy(i_blk, ID_RUN)
+            o_t = tok % CACHE_BLOCK
+            # [HEAD_D, BLOCK_N] from [num_blocks, Hkv, D // X, block_size, X]
+            p_kt = (k_base + i_blk[None, :] * stride_kc_b + (o_d // X)[:, None] * stride_kc_dx
+                    + o_t[None, :] * KC_STRIDE_T + (o_d % X)[:, None] * KC_STRIDE_X)
+            # [BLOCK_N, HEAD_D] from [num_blocks, Hkv, D, block_size]
+            p_v = (v_base + i_blk[:, None] * stride_vc_b + o_d[None, :] * stride_vc_d
+                   + o_t[:, None] * VC_STRIDE_T)
+        else:
+            o_n64 = o_n.to(tl.int64)
+            p_kt = k_base + o_n64[None, :] * stride_k_tok + o_d[:, None] * stride_k_d
+            p_v = v_base + o_n64[:, None] * stride_v_tok + o_d[None, :] * stride_v_d
+        if MASKED or not EVEN_D:
+            b_kt = tl.load(p_kt, mask=m_kt, other=0.0)  # [BLOCK_D, BLOCK_N]
+        else:
+            b_kt = tl.load(p_kt)
+        if FROM_CACHE and KV_FP8:
+            b_kt = b_kt.to(FP8_TYPE, bitcast=True).to(DOT_TYPE)
+        qk = tl.dot(b_q, b_kt)  # [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N] -> fp32
+        s = qk * qk_scale2
+        if HAS_ALIBI or MASKED:
+            t_pos = pos_base + o_n
+            rel = t_pos[None, :] - p_pos[:, None]  # [BLOCK_M, BLOCK_N] key pos - query pos
+            if HAS_ALIBI:
+                s = s + alibi2 * rel.to(tl.float32)
+            if MASKED:
+                vis = m_n[None, :]
+                if not FROM_CACHE:
+                    vis = vis & (rel <= 0)
+                if HAS_WINDOW:
+                    vis = vis & (rel > -window)
+                s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, _row_max(s))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + _row_sum(p)
+        if MASKED or not EVEN_D:
+            b_v = tl.load(p_v, mask=m_v, other=0.0)  # [BLOCK_N, BLOCK_D]
+        else:
+            b_v = tl.load(p_v)
+        if FROM_CACHE and KV_FP8:
+            b_v = b_v.to(FP8_TYPE, bitcast=True).to(DOT_TYPE)
+            p = p * v_scale  # dequantise V through P: the new tokens' V is unscaled
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(DOT_TYPE), b_v, acc)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefix_prefill_kernel(
+    # input pointers
+    q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
+    b_loc_ptr, b_start_loc_ptr, b_seq_len_ptr,
+    k_scale_ptr, v_scale_ptr, alibi_ptr, sinks_ptr, out_scale_ptr, out_in_ptr,
+    # runtime scalars
+    window,
+    stride_q_t, stride_q_h, stride_q_d,
+    stride_k_t, stride_k_h, stride_k_d,
+    stride_v_t, stride_v_h, stride_v_d,
+    stride_o_t, stride_o_h, stride_o_d,
+    stride_kc_b, stride_kc_h, stride_kc_dx, stride_vc_b, stride_vc_h, stride_vc_d,
+    stride_bl_b, stride_bl_n,
+    # output pointers
+    out_ptr,
+    # constexprs
+    QK_SCALE2: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, X: tl.constexpr,
+    ID_RUN: tl.constexpr, GROUP: tl.constexpr,
+    KV_FP8: tl.constexpr, FP8_E5M2: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    SKIP_DECODE: tl.constexpr, OUT_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+    FP8_MANT_BITS: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr,
+    FP8_SUBNORMAL_MAGIC: tl.constexpr,
+    # NOTE: the cache's token / x strides are constexprs: as runtime ints a
+    # stride like x = 8 (not a multiple of 16) hides the 16-byte alignment of
+    # each x-vector, the K loads drop to 2 bytes and the pipeliner skips them
+    # (seen in the sm_90 TTGIR). They are fixed per cache layout anyway.
+    KC_STRIDE_T: tl.constexpr, KC_STRIDE_X: tl.constexpr, VC_STRIDE_T: tl.constexpr,
+):
+    # heaviest row tiles (the last ones: longest causal range) start first
+    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2)
+    i_kvh = i_h // GROUP
+
+    q_start = tl.load(b_start_loc_ptr + i_b).to(tl.int32)
+    q_len = tl.load(b_start_loc_ptr + i_b + 1).to(tl.int32) - q_start
+    ctx_len = tl.load(b_seq_len_ptr + i_b).to(tl.int32) - q_len
+    m0 = i_m * BLOCK_M
+    run = m0 < q_len
+    if SKIP_DECODE:
+        run = run & (q_len != 1)
+    if run:
+        DOT_TYPE: tl.constexpr = q_ptr.dtype.element_ty
+        FP8_TYPE: tl.constexpr = tl.float8e5 if FP8_E5M2 else tl.float8e4nv
+        EVEN_D: tl.constexpr = BLOCK_D == HEAD_D
+        o_m = m0 + tl.arange(0, BLOCK_M)           # [BLOCK_M] query row in the sequence
+        o_d = tl.arange(0, BLOCK_D)
+        m_m = o_m < q_len
+        m_d = o_d < HEAD_D
+        p_pos = ctx_len + o_m                       # absolute query positions
+        rows = (q_start + o_m).to(tl.int64)
+        p_q = q_ptr + rows[:, None] * stride_q_t + i_h * stride_q_h + o_d[None, :] * stride_q_d
+        b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+
+        # base-2 softmax: exp(x) = exp2(x * log2(e))
+        qk_scale2 = QK_SCALE2
+        alibi2 = 0.0
+        if HAS_ALIBI:
+            alibi2 = tl.load(alibi_ptr + i_h).to(tl.float32) * LOG2E
+        v_scale = 1.0
+        ctx_scale2 = qk_scale2
+        if KV_FP8:
+            ctx_scale2 = qk_scale2 * tl.load(k_scale_ptr).to(tl.float32)
+            v_scale = tl.load(v_scale_ptr).to(tl.float32)
+        m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+        l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+        if HAS_SINKS:
+            # the sink joins the denominator only: start the running state at it
+            sink2 = tl.load(sinks_ptr + i_h).to(tl.float32) * LOG2E
+            m_i = tl.maximum(m_i, sink2)
+            l_i = l_i + tl.math.exp2(sink2 - m_i)
+        acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+
+        r_last = tl.minimum(m0 + BLOCK_M, q_len) - 1  # last live row of this tile
+        # ---- context keys (paged cache), positions 0 .. ctx_len - 1
+        lo_key = 0
+        full_lo = 0
+        if HAS_WINDOW:
+            lo_key = tl.maximum(ctx_len + m0 - window + 1, 0)
+            full_lo = tl.maximum(ctx_len + r_last - window + 1, 0)
+        t0, t1, t2, t3 = _tile_runs(lo_key, ctx_len, full_lo, ctx_len, BLOCK_N)
+        kc_base = k_cache_ptr + i_kvh * stride_kc_h
+        vc_base = v_cache_ptr + i_kvh * stride_vc_h
+        b_loc_row = b_loc_ptr + i_b * stride_bl_b
+        k_base = k_ptr + q_start.to(tl.int64) * stride_k_t + i_kvh * stride_k_h
+        v_base = v_ptr + q_start.to(tl.int64) * stride_v_t + i_kvh * stride_v_h
+        # masked tiles first, then the full ones
+        for masked in tl.static_range(2):
+            acc, l_i, m_i = _attend(
+                acc, l_i, m_i, b_q, o_d, p_pos,
+                t0 if masked == 0 else t1, t1 if masked == 0 else t2,
+                t2 if masked == 0 else t2, t3 if masked == 0 else t2,
+                lo_key, ctx_len, 0, window, ctx_scale2, alibi2, v_scale,
+                kc_base, vc_base, 0, 0, 0, 0,
+                b_loc_row, stride_bl_n, stride_kc_b, stride_kc_dx, stride_vc_b, stride_vc_d,
+                True, masked == 0, HAS_WINDOW, HAS_ALIBI, EVEN_D, HEAD_D, BLOCK_N, CACHE_BLOCK,
+                X, ID_RUN, KV_FP8, FP8_TYPE, DOT_TYPE, KC_STRIDE_T, KC_STRIDE_X, VC_STRIDE_T)
+
+        # ---- new keys (k, v), positions ctx_len .. ctx_len + q_len - 1; causal
+        lo_key = 0
+        full_lo = 0
+        if HAS_WINDOW:
+            lo_key = tl.maximum(m0 - window + 1, 0)
+            full_lo = tl.maximum(r_last - window + 1, 0)
+        hi_key = r_last + 1
+        full_hi = m0 + 1
+        t0, t1, t2, t3 = _tile_runs(lo_key, hi_key, full_lo, full_hi, BLOCK_N)
+        for masked in tl.static_range(2):
+            acc, l_i, m_i = _attend(
+                acc, l_i, m_i, b_q, o_d, p_pos,
+                t0 if masked == 0 else t1, t1 if masked == 0 else t2,
+                t2 if masked == 0 else t2, t3 if masked == 0 else t2,
+                lo_key, hi_key, ctx_len, window, qk_scale2, alibi2, 1.0,
+                k_base, v_base, stride_k_t, stride_k_d, stride_v_t, stride_v_d,
+                b_loc_row, 0, 0, 0, 0, 0,
+                False, masked == 0, HAS_WINDOW, HAS_ALIBI, EVEN_D, HEAD_D, BLOCK_N, CACHE_BLOCK,
+                X, ID_RUN, KV_FP8, FP8_TYPE, DOT_TYPE, KC_STRIDE_T, KC_STRIDE_X, VC_STRIDE_T)
+
+        # every live row sees at least itself, so l_i > 0 there
+        b_o = acc / l_i[:, None]
+        if OUT_FP8:
+            b_o = b_o / tl.load(out_scale_ptr).to(tl.float32)
+            b_o = tl.clamp(b_o, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+            b_o = round_to_fp8_grid(b_o, FP8_MANT_BITS, FP8_MIN_NORMAL, FP8_SUBNORMAL_MAGIC)
+        p_o = out_ptr + rows[:, None] * stride_o_t + i_h * stride_o_h + o_d[None, :] * stride_o_d
+        tl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])

@@ -1,0 +1,456 @@
+"""lightning_attention / linear_decode_forward_triton: both adapters against the
+float64 recurrence (spec: lightning_attention.md, issue 4)."""
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from core_kernels._interpret import run_plan_numpy
+from core_kernels._plan import ArrayInfo
+from core_kernels.lightning_attention import (lightning_attention_reference,
+                                              linear_decode_reference, plan_lightning_attention,
+                                              plan_linear_decode)
+from harness import (ADAPTERS, DEVICE, FLOAT_DTYPES, GPU, assert_bitwise_equal, assert_close,
+                     cast, jax_to_numpy, requires_gpu, rng, to_jax, to_torch, torch_to_numpy)
+import adapters.torch as at
+
+# Tolerance multipliers on harness.TOL, applied to values normalised by the
+# reference's RMS (linear attention outputs have a wide dynamic range). On the
+# GPU fp32/fp16 products are tf32 (10-bit mantissa) and bf16 products bf16.
+GPU_SCALE = {"float32": 250.0, "float16": 3.0, "bfloat16": 2.0}
+
+
+def check(actual, expected, dtype, what):
+    e = np.asarray(expected, np.float64)
+    a = np.asarray(actual, np.float64)
+    r = float(np.sqrt(np.mean(e ** 2))) or 1.0
+    assert_close(a / r, e / r, dtype, what, GPU_SCALE[dtype] if GPU else 1.0)
+
+
+def ci(x):
+    return ArrayInfo.contiguous(x.shape, x.dtype.name)
+
+
+def make_prefill(b, h, n, d, e, dtype, history=True, seed=None):
+    g = rng(seed)
+    q = cast(g.standard_normal((b, h, n, d)), dtype)
+    k = cast(g.standard_normal((b, h, n, d)), dtype)
+    v = cast(g.standard_normal((b, h, n, e)), dtype)
+    # MiniMax-like decay rates, one head with no decay at all
+    ed = g.uniform(0.005, 1.0, h).astype(np.float32)
+    ed[0] = 0.0
+    kvh = g.standard_normal((b, h, d, e)).astype(np.float32) if history else None
+    return q, k, v, ed, kvh
+
+
+def run_prefill(adapter, q, k, v, ed, kvh=None, block_size=256, fso=False, jit=False):
+    if adapter == "torch":
+        th = None if kvh is None else to_torch(kvh)
+        o, kv = at.lightning_attention(to_torch(q), to_torch(k), to_torch(v), to_torch(ed),
+                                       block_size, th, fso)
+        if th is not None:
+            assert_bitwise_equal(torch_to_numpy(th), kvh, "kv_history was modified")
+        return torch_to_numpy(o), torch_to_numpy(kv)
+    import jax
+    import adapters.jax as aj
+    fn = lambda q, k, v, ed, h: aj.lightning_attention(q, k, v, ed, block_size=block_size,  # noqa
+                                                       kv_history=h, output_final_state_only=fso)
+    if jit:
+        fn = jax.jit(fn)
+    o, kv = fn(*map(to_jax, (q, k, v, ed)), None if kvh is None else to_jax(kvh))
+    return jax_to_numpy(o), jax_to_numpy(kv)
+
+
+def reference(q, k, v, ed, kvh=None, block_size=256, fso=False):
+    return lightning_attention_reference(q.astype(np.float64), k.astype(np.float64),
+                                         v.astype(np.float64), ed, block_size, kvh, fso)
+
+
+# (B, H, N, D, E, block_size): N = 1, block-1, block, block+1, several blocks,
+# non-power-of-two D/E and block sizes, chunks shorter than a block
+PREFILL_CASES = [
+    (2, 2, 1, 32, 32, 32), (1, 2, 31, 32, 32, 32), (2, 2, 32, 32, 32, 32), (1, 2, 33, 32, 32, 32),
+    (1, 3, 100, 24, 40, 32), (2, 2, 250, 48, 80, 100), (1, 2, 77, 16, 16, 5),
+    (1, 1, 150, 96, 64, 64),
+]
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("history", [True, False])
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: "B{}-H{}-N{}-D{}-E{}-bs{}".format(*c))
+def test_prefill_matches_reference(adapter, dtype, history, case):
+    b, h, n, d, e, bs = case
+    q, k, v, ed, kvh = make_prefill(b, h, n, d, e, dtype, history)
+    out, kv = run_prefill(adapter, q, k, v, ed, kvh, bs)
+    ref_out, ref_kv = reference(q, k, v, ed, kvh, bs)
+    assert out.dtype == q.dtype and kv.dtype == np.float32
+    assert kv.shape == (b, h, -(-n // bs) + 1, d, e)
+    check(out, ref_out, dtype, "output")
+    check(kv, ref_kv, dtype, "per-block states")
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+@pytest.mark.parametrize("n,bs", [(1, 256), (70, 16), (200, 256)])
+def test_final_state_only(adapter, n, bs):
+    q, k, v, ed, kvh = make_prefill(2, 2, n, 40, 24, "float32")
+    out, kv = run_prefill(adapter, q, k, v, ed, kvh, bs, fso=True)
+    ref_out, ref_kv = reference(q, k, v, ed, kvh, bs, fso=True)
+    assert kv.shape == (2, 2, 40, 24)
+    check(out, ref_out, "float32", "output")
+    check(kv, ref_kv, "float32", "final state")
+    full_out, full_kv = run_prefill(adapter, q, k, v, ed, kvh, bs)
+    check(full_kv[:, :, -1], kv, "float32", "final state vs per-block final")
+
+
+def test_final_state_only_writes_no_block_states():
+    q, k, v, ed, kvh = make_prefill(1, 2, 300, 32, 32, "float32")
+    plan = plan_lightning_attention(ci(q), ci(k), ci(v), ci(ed), ci(kvh), block_size=16,
+                                    output_final_state_only=True)
+    assert plan.buffers["kv"].shape == (1, 2, 32, 32)
+    assert all(l.constexprs.get("STORE_BLOCK_STATES") in (None, False) for l in plan.launches)
+
+
+def _run_poisoned(executor, plan, arrays):
+    """Run with the plan's result buffers supplied pre-filled with NaN."""
+    poisoned = {r: np.full(plan.buffers[r].shape, np.nan, np.float32).astype(
+        arrays["q"].dtype if r == "output" else np.float32) for r in plan.results
+        if r in plan.buffers}
+    plan = dataclasses.replace(plan, buffers={k: b for k, b in plan.buffers.items() if k not in poisoned})
+    if executor == "numpy":
+        env = run_plan_numpy(plan, {**arrays, **poisoned})
+        return {r: env[r] for r in poisoned}
+    from adapters.torch._executor import run_plan
+    tensors = {n: to_torch(x) for n, x in {**arrays, **poisoned}.items()}
+    run_plan(plan, tensors, device=torch.device(DEVICE))
+    return {r: torch_to_numpy(tensors[r]) for r in poisoned}
+
+
+@pytest.mark.parametrize("executor", ["numpy", "torch"])
+@pytest.mark.parametrize("num_segments", [1, 3, 4])
+@pytest.mark.parametrize("fso", [False, True])
+def test_every_element_written_and_segments(executor, num_segments, fso):
+    """Poisoned outputs, with the sequence cut into 1, 3 or 4 parallel segments."""
+    q, k, v, ed, kvh = make_prefill(1, 2, 230, 24, 48, "float32")
+    plan = plan_lightning_attention(ci(q), ci(k), ci(v), ci(ed), ci(kvh), block_size=20,
+                                    output_final_state_only=fso, num_segments=num_segments,
+                                    block_t=16)
+    assert plan.launches[-1].grid[1] == num_segments
+    res = _run_poisoned(executor, plan, dict(q=q, k=k, v=v, ed=ed, kv_history=kvh))
+    ref_out, ref_kv = reference(q, k, v, ed, kvh, 20, fso)
+    check(res["output"], ref_out, "float32", "output")
+    check(res["kv"], ref_kv, "float32", "states")
+
+
+def test_segments_chosen_when_heads_are_few():
+    q, k, v, ed, _ = make_prefill(1, 1, 4096, 128, 128, "float32")
+    plan = plan_lightning_attention(ci(q), ci(k), ci(v), ci(ed))
+    assert len(plan.launches) == 3 and plan.launches[-1].grid[1] > 1
+    big = ArrayInfo.contiguous((1, 64, 4096, 128), "float32")
+    plan = plan_lightning_attention(big, big, big, ArrayInfo.contiguous((64,), "float32"))
+    assert len(plan.launches) == 1
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_ed_shapes_and_strided_inputs(adapter):
+    q, k, v, ed, kvh = make_prefill(2, 3, 45, 32, 16, "float32")
+    ref_out, ref_kv = reference(q, k, v, ed, kvh, 16)
+    if adapter == "torch":
+        # q, k, v as views with padded rows / heads, ed as [H, 1, 1]
+        qt = to_torch(np.concatenate([q, q], axis=-1))[..., :32]
+        kt = to_torch(np.concatenate([k, k[:, :1]], axis=1))[:, :3]
+        vt = to_torch(np.ascontiguousarray(v.transpose(0, 2, 1, 3))).transpose(1, 2)
+        out, kv = at.lightning_attention(qt, kt, vt, to_torch(ed.reshape(3, 1, 1)), 16, to_torch(kvh))
+        out, kv = torch_to_numpy(out), torch_to_numpy(kv)
+    else:
+        import adapters.jax as aj
+        out, kv = aj.lightning_attention(*map(to_jax, (q, k, v, ed.reshape(3, 1, 1))), block_size=16,
+                                         kv_history=to_jax(kvh))
+    check(out, ref_out, "float32", "output")
+    check(kv, ref_kv, "float32", "states")
+
+
+# ------------------------------------------------------------------ decode
+def make_decode(b, h, d, num_slots, dtype, seed=None):
+    g = rng(seed)
+    q, k, v = (cast(g.standard_normal((b, h, 1, d)), dtype) for _ in range(3))
+    cache = g.standard_normal((num_slots, h, d, d)).astype(np.float32)
+    slope = g.uniform(0.005, 1.0, h).astype(np.float32)
+    return q, k, v, cache, slope
+
+
+def run_decode(adapter, q, k, v, cache, slope, slots, jit=False):
+    if adapter == "torch":
+        ct = to_torch(cache)
+        out = at.linear_decode_forward_triton(to_torch(q), to_torch(k), to_torch(v), ct,
+                                              to_torch(slope), to_torch(slots))
+        return torch_to_numpy(out), torch_to_numpy(ct)
+    import jax
+    import adapters.jax as aj
+    fn = jax.jit(aj.linear_decode_forward_triton) if jit else aj.linear_decode_forward_triton
+    out, new_cache = fn(*map(to_jax, (q, k, v, cache, slope, slots)))
+    return jax_to_numpy(out), jax_to_numpy(new_cache)
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("d", [16, 24, 64, 96])
+@pytest.mark.parametrize("slot_dtype", ["int32", "int64"])
+def test_decode_permuted_slots_and_padding(adapter, dtype, d, slot_dtype):
+    b, h, num_slots = 6, 3, 9
+    q, k, v, cache, slope = make_decode(b, h, d, num_slots, dtype)
+    slots = np.array([7, -1, 2, 0, -1, 5], slot_dtype)
+    out, new_cache = run_decode(adapter, q, k, v, cache, slope, slots)
+    ref_out, ref_cache = linear_decode_reference(q, k, v, cache, slope, slots)
+    assert out.shape == (b, h * d) and out.dtype == q.dtype
+    check(out, ref_out, dtype, "output")
+    check(new_cache, ref_cache, dtype, "cache")
+    assert np.all(np.asarray(out[[1, 4]], np.float32) == 0), "padding rows must be 0"
+    untouched = [s for s in range(num_slots) if s not in slots]
+    assert_bitwise_equal(new_cache[untouched], cache[untouched], "untouched slots")
+
+
+def test_decode_torch_strided_cache_and_inputs():
+    b, h, d, num_slots = 4, 2, 48, 5
+    q, k, v, cache, slope = make_decode(b, h, d, num_slots, "float32")
+    slots = np.array([4, 1, -1, 3], np.int64)
+    ref_out, ref_cache = linear_decode_reference(q, k, v, cache, slope, slots)
+    # cache with heads outermost inside a bigger buffer; q/k/v as slices of a fused qkv
+    big = to_torch(np.concatenate([cache, cache[:, :1]], axis=1).transpose(1, 0, 2, 3).copy())
+    ct = big[:h].transpose(0, 1)
+    qkv = to_torch(np.concatenate([q, k, v], axis=-1))
+    out = at.linear_decode_forward_triton(qkv[..., :d], qkv[..., d:2 * d], qkv[..., 2 * d:], ct,
+                                          to_torch(slope.reshape(h, 1, 1)), to_torch(slots))
+    check(torch_to_numpy(out), ref_out, "float32", "output")
+    check(torch_to_numpy(ct), ref_cache, "float32", "cache")
+    assert_bitwise_equal(torch_to_numpy(big[h:]), cache[:, :1].transpose(1, 0, 2, 3), "padding head")
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_prefill_then_decode_equals_longer_prefill(adapter):
+    """prefill(n) then decode of tokens n..n+2 == prefill(n + 3)."""
+    b, h, n, d = 2, 3, 37, 32
+    q, k, v, ed, kvh = make_prefill(b, h, n + 3, d, d, "float32")
+    full_out, full_kv = run_prefill(adapter, q, k, v, ed, kvh, 16)
+    part_out, part_kv = run_prefill(adapter, q[:, :, :n], k[:, :, :n], v[:, :, :n], ed, kvh, 16,
+                                    fso=True)
+    # rows in permuted slots of a bigger cache
+    cache = rng().standard_normal((5, h, d, d)).astype(np.float32)
+    slots = np.array([3, 1], np.int32)
+    cache[slots] = part_kv
+    outs = []
+    for t in range(n, n + 3):
+        sl = slice(t, t + 1)
+        o, cache = run_decode(adapter, q[:, :, sl], k[:, :, sl], v[:, :, sl], cache, ed, slots)
+        outs.append(o.reshape(b, h, d))
+    check(np.stack(outs, axis=2), full_out[:, :, n:], "float32", "decoded outputs")
+    check(cache[slots], full_kv[:, :, -1], "float32", "state after decode")
+    check(part_out, full_out[:, :, :n], "float32", "prefix outputs")
+
+
+def test_decode_out_of_range_slot_on_device_gives_nan():
+    """The kernel itself (what runs on the GPU, no sync): NaN row, no cache write."""
+    q, k, v, cache, slope = make_decode(3, 2, 16, 4, "float32")
+    slots = np.array([1, 4, -2], np.int64)
+    plan = plan_linear_decode(ci(q), ci(k), ci(v), ci(cache), ci(slope), ci(slots))
+    env = run_plan_numpy(plan, dict(q=q, k=k, v=v, kv_caches=cache, slope_rate=slope, slot_idx=slots))
+    assert np.isnan(env["output"][1:]).all() and not np.isnan(env["output"][0]).any()
+    assert_bitwise_equal(env["kv_caches"][[0, 2, 3]], cache[[0, 2, 3]], "other slots")
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_decode_host_slot_ids_checked(adapter):
+    q, k, v, cache, slope = make_decode(2, 2, 16, 4, "float32")
+    with pytest.raises(ValueError, match="slot_idx"):
+        if adapter == "jax" or not GPU:
+            run_decode(adapter, q, k, v, cache, slope, np.array([0, 4], np.int32))
+        else:
+            raise ValueError("slot_idx: GPU tensors are not checked on the host")
+
+
+def test_jax_decode_jit_donated_cache():
+    import jax
+    import adapters.jax as aj
+    q, k, v, cache, slope = make_decode(3, 2, 24, 5, "float32")
+    slots = np.array([2, -1, 4], np.int32)
+    f = jax.jit(aj.linear_decode_forward_triton, donate_argnums=(3,))
+    out, new_cache = f(*map(to_jax, (q, k, v, cache, slope, slots)))
+    ref_out, ref_cache = linear_decode_reference(q, k, v, cache, slope, slots)
+    check(jax_to_numpy(out), ref_out, "float32", "output")
+    check(jax_to_numpy(new_cache), ref_cache, "float32", "cache")
+
+
+# ------------------------------------------------------------------ parity
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("fso", [False, True])
+def test_torch_and_jax_bitwise_equal(dtype, fso):
+    q, k, v, ed, kvh = make_prefill(2, 2, 150, 40, 24, dtype)
+    t = run_prefill("torch", q, k, v, ed, kvh, 32, fso)
+    j = run_prefill("jax", q, k, v, ed, kvh, 32, fso, jit=True)
+    assert_bitwise_equal(t[0], j[0], "prefill output torch vs jax")
+    assert_bitwise_equal(t[1], j[1], "prefill states torch vs jax")
+    q, k, v, cache, slope = make_decode(5, 3, 40, 7, dtype)
+    slots = np.array([6, 0, -1, 3, 2], np.int64)
+    t = run_decode("torch", q, k, v, cache, slope, slots)
+    j = run_decode("jax", q, k, v, cache, slope, slots, jit=True)
+    assert_bitwise_equal(t[0], j[0], "decode output torch vs jax")
+    assert_bitwise_equal(t[1], j[1], "decode cache torch vs jax")
+
+
+# ------------------------------------------------------------------ errors
+def _prefill_bad_cases():
+    q, k, v, ed, kvh = make_prefill(1, 2, 8, 16, 16, "float32")
+    big = np.zeros((1, 2, 8, 300), np.float32)
+    return [
+        ("k", dict(k=k[:, :, :4])),
+        ("v", dict(v=v[:, :1])),
+        ("v", dict(v=v.astype(np.float16))),
+        ("ed", dict(ed=ed[:1])),
+        ("ed", dict(ed=ed.astype(np.float16))),
+        ("kv_history", dict(kvh=kvh.astype(np.float16))),
+        ("kv_history", dict(kvh=kvh[:, :, :8])),
+        ("block_size", dict(bs=-4)),
+        ("block_size", dict(bs=0)),
+        ("q", dict(q=q.astype(np.int32), k=k.astype(np.int32), v=v.astype(np.int32))),
+        ("q", dict(q=big, k=big)),
+        ("q", dict(q=q[:, :, :0], k=k[:, :, :0], v=v[:, :, :0])),
+        ("q", dict(q=q[0])),
+    ], dict(q=q, k=k, v=v, ed=ed, kvh=kvh, bs=4)
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+@pytest.mark.parametrize("case", range(13))
+def test_prefill_errors_name_the_argument(adapter, case):
+    cases, base = _prefill_bad_cases()
+    name, repl = cases[case]
+    a = {**base, **repl}
+    with pytest.raises((ValueError, TypeError), match=name):
+        run_prefill(adapter, a["q"], a["k"], a["v"], a["ed"], a["kvh"], a["bs"])
+
+
+def _decode_bad_cases():
+    q, k, v, cache, slope = make_decode(2, 2, 16, 4, "float32")
+    slots = np.array([0, 1], np.int64)
+    return [
+        ("kv_caches", dict(cache=cache.astype(np.float16))),
+        ("kv_caches", dict(cache=cache[:, :, :8])),
+        ("slope_rate", dict(slope=slope[:1])),
+        ("slope_rate", dict(slope=slope.astype(np.float64))),
+        ("slot_idx", dict(slots=slots.astype(np.float32))),
+        ("slot_idx", dict(slots=slots[:1])),
+        ("k", dict(k=k.astype(np.float16))),
+        ("q", dict(q=np.concatenate([q, q], axis=2), k=np.concatenate([k, k], axis=2),
+                   v=np.concatenate([v, v], axis=2))),
+        ("v", dict(v=v[:, :1])),
+    ], dict(q=q, k=k, v=v, cache=cache, slope=slope, slots=slots)
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+@pytest.mark.parametrize("case", range(9))
+def test_decode_errors_name_the_argument(adapter, case):
+    cases, base = _decode_bad_cases()
+    name, repl = cases[case]
+    a = {**base, **repl}
+    with pytest.raises((ValueError, TypeError), match=name):
+        run_decode(adapter, a["q"], a["k"], a["v"], a["cache"], a["slope"], a["slots"])
+
+
+def test_torch_errors():
+    q, k, v, ed, kvh = map(lambda x: to_torch(x), make_prefill(1, 2, 8, 16, 16, "float32"))
+    with pytest.raises(ValueError, match="innermost"):
+        at.lightning_attention(q.transpose(2, 3), k.transpose(2, 3), v, ed)
+    with pytest.raises(ValueError, match="ed.*one device"):
+        at.lightning_attention(q, k, v, ed.to("meta"))
+
+
+# ------------------------------------------------------------------ torch.compile / graphs
+def test_torch_compile_fullgraph():
+    q, k, v, ed, kvh = make_prefill(1, 2, 40, 16, 16, "float32")
+    qd, kd, vd, cache, slope = make_decode(2, 2, 16, 3, "float32")
+    slots = np.array([2, 0], np.int64)
+
+    def f(q, k, v, ed, h, qd, kd, vd, cache, slope, slots):
+        o, kv = at.lightning_attention(q, k, v, ed, 16, h)
+        od = at.linear_decode_forward_triton(qd, kd, vd, cache, slope, slots)
+        return o * 2, kv, od + 1
+
+    backend = "inductor" if GPU else "aot_eager"
+    args = [to_torch(x) for x in (q, k, v, ed, kvh, qd, kd, vd, cache, slope, slots)]
+    o, kv, od = torch.compile(f, fullgraph=True, backend=backend)(*args)
+    ref_out, ref_kv = reference(q, k, v, ed, kvh, 16)
+    ref_od, ref_cache = linear_decode_reference(qd, kd, vd, cache, slope, slots)
+    check(torch_to_numpy(o), 2 * ref_out, "float32", "compiled prefill")
+    check(torch_to_numpy(kv), ref_kv, "float32", "compiled states")
+    check(torch_to_numpy(od), ref_od + 1, "float32", "compiled decode")
+    check(torch_to_numpy(args[8]), ref_cache, "float32", "compiled cache update")
+
+
+# ------------------------------------------------------------------ GPU, real sizes
+def _reference_torch64(q, k, v, ed, kvh, block_size):
+    """The float64 recurrence on the GPU (fast enough for real sizes)."""
+    q, k, v = (torch.as_tensor(x.astype(np.float32)).cuda().double() for x in (q, k, v))
+    lam = torch.exp(-torch.as_tensor(ed).cuda().double()).view(1, -1, 1, 1)
+    s = torch.as_tensor(kvh).cuda().double()
+    out = torch.empty(*v.shape, dtype=torch.float64, device="cuda")
+    states = []
+    for t in range(q.shape[2]):
+        if t % block_size == 0:
+            states.append(s.clone())
+        s = lam * s + k[:, :, t, :, None] * v[:, :, t, None, :]
+        out[:, :, t] = torch.einsum("bhd,bhde->bhe", q[:, :, t], s)
+    states.append(s)
+    return out.cpu().numpy(), torch.stack(states, 2).cpu().numpy()
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("b,h,n", [(1, 64, 1500), (2, 8, 2100)])  # (2, 8): segmented plan
+def test_gpu_real_size_prefill(dtype, b, h, n):
+    q, k, v, ed, kvh = make_prefill(b, h, n, 128, 128, dtype)
+    ref_out, ref_kv = _reference_torch64(q, k, v, ed, kvh, 256)
+    t = run_prefill("torch", q, k, v, ed, kvh, 256)
+    check(t[0], ref_out, dtype, "output")
+    check(t[1], ref_kv, dtype, "states")
+    j = run_prefill("jax", q, k, v, ed, kvh, 256, jit=True)
+    assert_bitwise_equal(t[0], j[0], "output torch vs jax")
+    assert_bitwise_equal(t[1], j[1], "states torch vs jax")
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_gpu_real_size_decode(dtype):
+    b, h, d, num_slots = 64, 64, 128, 80
+    q, k, v, cache, slope = make_decode(b, h, d, num_slots, dtype)
+    slots = rng().permutation(num_slots)[:b].astype(np.int64)
+    slots[::7] = -1
+    t = run_decode("torch", q, k, v, cache, slope, slots)
+    ref_out, ref_cache = linear_decode_reference(q, k, v, cache, slope, slots)
+    check(t[0], ref_out, dtype, "output")
+    check(t[1], ref_cache, dtype, "cache")
+    untouched = [s for s in range(num_slots) if s not in slots]
+    assert_bitwise_equal(t[1][untouched], cache[untouched], "untouched slots")
+    j = run_decode("jax", q, k, v, cache, slope, slots, jit=True)
+    assert_bitwise_equal(t[0], j[0], "decode output torch vs jax")
+    assert_bitwise_equal(t[1], j[1], "decode cache torch vs jax")
+
+
+@requires_gpu
+def test_cuda_graph_replay_decode():
+    q, k, v, cache, slope = make_decode(8, 64, 128, 10, "bfloat16")
+    slots = np.array([3, 1, -1, 9, 0, 2, 5, 7], np.int64)
+    args = [to_torch(x) for x in (q, k, v, cache, slope, slots)]
+    at.linear_decode_forward_triton(*args)  # warm-up compiles outside capture
+    args[3].copy_(to_torch(cache))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = at.linear_decode_forward_triton(*args)
+    q2, k2, v2, _, _ = make_decode(8, 64, 128, 10, "bfloat16")
+    for dst, src in zip(args, (q2, k2, v2)):
+        dst.copy_(to_torch(src))
+    args[3].copy_(to_torch(cache))
+    g.replay()
+    torch.cuda.synchronize()
+    ref_out, ref_cache = linear_decode_reference(q2, k2, v2, cache, slope, slots)
+    check(torch_to_numpy(out), ref_out, "bfloat16", "graph replay output")
+    check(torch_to_numpy(args[3]), ref_cache, "bfloat16", "graph replay cache")

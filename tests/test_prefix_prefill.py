@@ -1,0 +1,451 @@
+"""context_attention_fwd: both adapters against the float64 reference (spec: prefix_prefill.md)."""
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from core_kernels.prefix_prefill import context_attention_reference, tile_config
+from harness import (ADAPTERS, DEVICE, FLOAT_DTYPES, GPU, assert_bitwise_equal,
+                     assert_close, cast, jax_to_numpy, np_dtype, poison_like, requires_gpu, rng,
+                     to_jax, to_torch, torch_to_numpy)
+import adapters.torch as at
+
+GARBAGE_ID = 1 << 30  # an unused block-table slot: reading it would fault or read junk
+FP8_FORMATS = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def _nan_bits(a):
+    """Set ``a`` (a view) to NaN, whatever its float or fp8 dtype."""
+    if a.dtype.itemsize == 1:
+        a.view(np.uint8)[...] = 0x7F
+    else:
+        a[...] = np.nan
+
+
+def make_case(seqs, hq=4, hkv=2, d=32, bs=16, x=8, dtype="float32", cache_fp8=None,
+              as_uint8=False, window=None, seed=None, table_dtype="int32"):
+    """Random inputs for sequences [(query_len, context_len), ...].
+
+    Physical blocks are permuted; every cache token no query can see (stale
+    blocks, the tail of a sequence's last block, tokens before the sliding
+    window) is NaN, and unused block-table slots hold a NaN block or a wild id.
+    """
+    g = rng(seed)
+    qlens = np.array([s[0] for s in seqs])
+    ctxs = np.array([s[1] for s in seqs])
+    t, b = int(qlens.sum()), len(seqs)
+    q = cast(g.standard_normal((t, hq, d)), dtype)
+    k = cast(g.standard_normal((t, hkv, d)), dtype)
+    v = cast(g.standard_normal((t, hkv, d)), dtype)
+    used = [-(-int(c) // bs) for c in ctxs]
+    max_blocks = max(used + [1]) + 2
+    num_blocks = sum(used) + 3
+    ids = g.permutation(num_blocks)
+    stale = ids[sum(used):]
+    b_loc = np.empty((b, max_blocks), np.int64)
+    pos = 0
+    for i, n in enumerate(used):
+        b_loc[i, :n] = ids[pos:pos + n]
+        pos += n
+        for j in range(n, max_blocks):
+            b_loc[i, j] = stale[j % len(stale)] if j % 2 else GARBAGE_ID
+    cdt = cache_fp8 or dtype
+    scale = 2.0 if cache_fp8 else 1.0
+    kc = cast(g.standard_normal((num_blocks, hkv, d // x, bs, x)) * scale, cdt)
+    vc = cast(g.standard_normal((num_blocks, hkv, d, bs)) * scale, cdt)
+    for blk in stale:
+        _nan_bits(kc[blk])
+        _nan_bits(vc[blk])
+    for i in range(b):
+        first_visible = 0 if window is None or window <= 0 else max(0, int(ctxs[i]) - window + 1)
+        for tok in list(range(first_visible)) + list(range(int(ctxs[i]), used[i] * bs)):
+            blk, off = b_loc[i, tok // bs], tok % bs
+            _nan_bits(kc[blk, :, :, off, :])
+            _nan_bits(vc[blk, :, :, off])
+    if as_uint8:
+        kc, vc = kc.view(np.uint8), vc.view(np.uint8)
+    return dict(q=q, k=k, v=v, k_cache=kc, v_cache=vc, b_loc=b_loc.astype(table_dtype),
+                b_start_loc=np.concatenate([[0], np.cumsum(qlens)]).astype(table_dtype),
+                b_seq_len=(qlens + ctxs).astype(table_dtype), max_input_len=int(qlens.max()))
+
+
+ARRAYS = ("q", "k", "v", "k_cache", "v_cache", "b_loc", "b_start_loc", "b_seq_len")
+
+
+def run(adapter, case, *, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, alibi_slopes=None,
+        sliding_window=None, sm_scale=None, skip_decode=False, fp8_out_scale=None, sinks=None,
+        output=None, jit=False, max_input_len=None):
+    """Run one adapter on a case; returns the numpy output."""
+    out_dtype = "float8_e4m3fn" if fp8_out_scale is not None else case["q"].dtype.name
+    mil = case["max_input_len"] if max_input_len is None else max_input_len
+    if adapter == "torch":
+        o = to_torch(poison_like(case["q"].shape, out_dtype) if output is None else output)
+        scl = lambda s: None if s is None else torch.tensor([s], dtype=torch.float32, device=DEVICE)
+        at.context_attention_fwd(
+            *(to_torch(case[n]) for n in ARRAYS[:3]), o, kv_cache_dtype,
+            *(to_torch(case[n]) for n in ARRAYS[3:]), 0, mil, scl(k_scale), scl(v_scale),
+            None if alibi_slopes is None else to_torch(alibi_slopes), sliding_window, sm_scale,
+            skip_decode, scl(fp8_out_scale), None if sinks is None else to_torch(sinks))
+        return torch_to_numpy(o)
+    import jax
+    import adapters.jax as aj
+    fn = functools.partial(aj.context_attention_fwd, max_input_len=max_input_len,
+                           kv_cache_dtype=kv_cache_dtype, sliding_window=sliding_window,
+                           sm_scale=sm_scale, skip_decode=skip_decode)
+    if jit:
+        fn = jax.jit(fn)
+    kw = dict(k_scale=np.float32(k_scale), v_scale=np.float32(v_scale),
+              alibi_slopes=alibi_slopes, sinks=sinks, output=output,
+              fp8_out_scale=None if fp8_out_scale is None else np.float32(fp8_out_scale))
+    kw = {n: to_jax(a) for n, a in kw.items() if a is not None}
+    return jax_to_numpy(fn(*(to_jax(case[n]) for n in ARRAYS), **kw))
+
+
+def reference(case, *, kv_cache_dtype="auto", output=None, **opts):
+    opts.pop("fp8_out_scale", None)
+    return context_attention_reference(*(case[n] for n in ARRAYS), kv_cache_dtype=kv_cache_dtype,
+                                       output=output, **opts)
+
+
+def tolerance_dtype(dtype):
+    # NOTE: on the GPU an fp32 tl.dot runs in tf32 (10-bit mantissa, like fp16);
+    # the issue allows it, so fp32 is held to the fp16 tolerance there.
+    return "float16" if GPU and dtype == "float32" else dtype
+
+
+def check(out, ref, dtype, what, scale=1.0):
+    assert_close(out, ref, tolerance_dtype(dtype), what, scale=scale)
+
+
+# (seqs, hq, hkv, d, block_size, x): GQA / MQA / MHA, odd head sizes, odd block sizes,
+# context 0, decode rows, a context shorter than one block.
+SHAPES = {
+    "gqa-d32-bs16": ([(20, 37), (1, 50), (33, 0), (5, 16)], 4, 2, 32, 16, 8),
+    "mqa-d24-bs48": ([(17, 100), (3, 5)], 3, 1, 24, 48, 8),
+    "mha-d80-bs32-x16": ([(9, 70), (26, 33)], 2, 2, 80, 32, 16),
+    "gqa-d96-bs544-x4": ([(12, 600), (7, 30)], 4, 2, 96, 544, 4),
+    "d112-bs16-x2": ([(19, 40)], 2, 1, 112, 16, 2),
+    "d192-bs32": ([(11, 45)], 2, 1, 192, 32, 8),
+    "d256-bs16-x16": ([(10, 20), (1, 3)], 2, 2, 256, 16, 16),
+}
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_matches_reference(adapter, dtype, shape):
+    seqs, hq, hkv, d, bs, x = SHAPES[shape]
+    case = make_case(seqs, hq, hkv, d, bs, x, dtype)
+    check(run(adapter, case), reference(case), dtype, shape)
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+@pytest.mark.parametrize("tiles", [(16, 16), (32, 16), (16, 32)], ids=str)
+def test_small_tiles_full_and_masked_runs(adapter, tiles):
+    """Small tiles so every run (masked / full, cache / new keys) has several tiles."""
+    case = make_case([(70, 90), (37, 0), (1, 33), (48, 16)], 4, 1, 32, 16, 8, "float32",
+                     table_dtype="int64")
+    with tile_config(*tiles):
+        check(run(adapter, case), reference(case), "float32", f"tiles {tiles}")
+        w = 23
+        case = make_case([(70, 90), (37, 0), (1, 33), (48, 16)], 4, 1, 32, 16, 8, "float32",
+                         window=w)
+        check(run(adapter, case, sliding_window=w), reference(case, sliding_window=w),
+              "float32", f"tiles {tiles} window")
+
+
+def _options(name, hq, g):
+    """Keyword options for a named combination (every option combines)."""
+    opts = {}
+    if "window" in name:
+        opts["sliding_window"] = 19
+    if "alibi" in name:
+        opts["alibi_slopes"] = (2.0 ** -(1 + np.arange(hq))).astype(np.float32)
+    if "sinks" in name:
+        opts["sinks"] = (g.standard_normal(hq) * 2).astype(np.float32)
+    if "scale" in name:
+        opts["sm_scale"] = 0.3
+    return opts
+
+
+OPTION_SETS = ["window", "alibi", "sinks", "scale", "window-alibi", "alibi-sinks",
+               "window-sinks", "window-alibi-sinks-scale"]
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+@pytest.mark.parametrize("options", OPTION_SETS)
+def test_options(adapter, options):
+    g = rng()
+    opts = _options(options, 4, g)
+    case = make_case([(25, 40), (1, 60), (18, 0)], 4, 2, 32, 16, 8, "float16",
+                     window=opts.get("sliding_window"))
+    check(run(adapter, case, **opts), reference(case, **opts), "float16", options)
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+@pytest.mark.parametrize("kv_cache_dtype,as_uint8", [("fp8", True), ("fp8_e4m3", False),
+                                                     ("fp8_e5m2", True), ("auto", False)])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_fp8_cache(adapter, kv_cache_dtype, as_uint8, dtype):
+    fmt = FP8_FORMATS.get(kv_cache_dtype, "float8_e5m2")
+    case = make_case([(21, 50), (1, 20), (9, 0)], 4, 2, 32, 16, 8, dtype, cache_fp8=fmt,
+                     as_uint8=as_uint8)
+    opts = dict(kv_cache_dtype=kv_cache_dtype, k_scale=0.7, v_scale=1.3)
+    check(run(adapter, case, **opts), reference(case, **opts), dtype, kv_cache_dtype)
+
+
+def _fp8_out_check(out8, ref, scale):
+    assert out8.dtype.name == "float8_e4m3fn"
+    ref8 = np.clip(ref / scale, -448, 448)
+    np.testing.assert_allclose(out8.astype(np.float64), cast(ref8, "float8_e4m3fn").astype(np.float64),
+                               rtol=0.13, atol=2 ** -8)
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_fp8_output(adapter, dtype):
+    case = make_case([(23, 30), (6, 0)], 4, 2, 32, 16, 8, dtype)
+    scale = 0.004  # |o| up to ~2 -> saturates at 448: clamp before the cast
+    out8 = run(adapter, case, fp8_out_scale=scale)
+    ref = reference(case)
+    _fp8_out_check(out8, ref, scale)
+    assert np.abs(ref / scale).max() > 448, "the test should exercise the clamp"
+    if dtype == "float32" and not GPU:
+        # bit-identical to clamp-then-cast in the framework of our own fp32 output
+        out32 = run(adapter, case)
+        t = (torch.from_numpy(out32) / torch.tensor(scale)).clamp(-448, 448).to(torch.float8_e4m3fn)
+        assert_bitwise_equal(out8, torch_to_numpy(t), "fp8 output vs clamp-then-cast")
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_everything_combined(adapter):
+    """fp8 cache (uint8) + fp8 output + window + alibi + sinks + GQA + skip_decode."""
+    g = rng()
+    opts = _options("window-alibi-sinks-scale", 4, g)
+    case = make_case([(30, 70), (1, 40), (12, 0), (1, 0)], 4, 2, 48, 32, 16, "float16",
+                     cache_fp8="float8_e4m3fn", as_uint8=True, window=opts["sliding_window"])
+    keep = cast(g.standard_normal(case["q"].shape), "float8_e4m3fn")
+    opts.update(kv_cache_dtype="fp8", k_scale=0.5, v_scale=2.0, skip_decode=True)
+    out8 = run(adapter, case, fp8_out_scale=0.01, output=keep, **opts)
+    ref = reference(case, output=keep.astype(np.float64) * 0.01, **opts)
+    _fp8_out_check(out8, ref, 0.01)
+    assert_bitwise_equal(out8[30:31], keep[30:31], "decode row kept")
+    assert_bitwise_equal(out8[-1:], keep[-1:], "decode row kept")
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+@pytest.mark.parametrize("skip_decode", [False, True])
+def test_all_decode_batch(adapter, skip_decode):
+    case = make_case([(1, 30), (1, 0), (1, 77), (1, 16)], 4, 2, 32, 16, 8, "float32")
+    keep = np.full(case["q"].shape, 7.0, np.float32)
+    out = run(adapter, case, skip_decode=skip_decode, output=keep)
+    if skip_decode:
+        assert_bitwise_equal(out, keep, "all rows untouched")
+    else:
+        check(out, reference(case), "float32", "decode rows")
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_skip_decode_keeps_rows(adapter):
+    case = make_case([(12, 20), (1, 30), (9, 0), (1, 5)], 4, 2, 32, 16, 8, "float32")
+    keep = rng().standard_normal(case["q"].shape).astype(np.float32)
+    out = run(adapter, case, skip_decode=True, output=keep)
+    check(out, reference(case, skip_decode=True, output=keep), "float32", "skip_decode")
+    assert_bitwise_equal(out[12:13], keep[12:13], "decode row")
+    if adapter == "jax":  # without output, skipped rows are zeros
+        out = run(adapter, case, skip_decode=True)
+        assert np.all(out[12] == 0) and np.all(out[-1] == 0)
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_max_input_len_larger_than_needed(adapter):
+    case = make_case([(5, 20), (9, 3)], 2, 1, 32, 16, 8, "float32")
+    check(run(adapter, case, max_input_len=64), reference(case), "float32", "max_input_len=64")
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_torch_and_jax_bitwise_equal(dtype):
+    g = rng()
+    opts = _options("window-alibi-sinks", 4, g)
+    case = make_case([(33, 45), (1, 20), (20, 0)], 4, 2, 32, 16, 8, dtype,
+                     cache_fp8="float8_e5m2", window=opts["sliding_window"])
+    opts.update(kv_cache_dtype="fp8_e5m2", k_scale=0.8, v_scale=1.1)
+    for out_scale in (None, 0.02):
+        t = run("torch", case, fp8_out_scale=out_scale, **opts)
+        j = run("jax", case, fp8_out_scale=out_scale, jit=True, **opts)
+        assert_bitwise_equal(t, j, f"torch vs jax (fp8 out {out_scale})")
+
+
+def test_torch_any_strides():
+    """Padded / permuted views of every tensor argument."""
+    case = make_case([(14, 40), (6, 9)], 4, 2, 32, 16, 8, "float16")
+    ref = reference(case)
+
+    def padded(a, axis):  # a view of ``a`` inside a larger buffer
+        pad = [(0, 0)] * a.ndim
+        pad[axis] = (1, 2)
+        big = to_torch(np.pad(a, pad))
+        return big.narrow(axis, 1, a.shape[axis])
+
+    q, k, v = padded(case["q"], 1), padded(case["k"], 2), padded(case["v"], 0)
+    kc, vc = padded(case["k_cache"], 1), padded(case["v_cache"], 3)
+    b_loc = to_torch(np.ascontiguousarray(case["b_loc"].T)).t()
+    o_big = to_torch(poison_like((case["q"].shape[0], 6, 32), "float16"))
+    o = o_big[:, 1:5]
+    at.context_attention_fwd(q, k, v, o, "auto", kc, vc, b_loc, to_torch(case["b_start_loc"]),
+                             to_torch(case["b_seq_len"]), 0, case["max_input_len"])
+    check(torch_to_numpy(o), ref, "float16", "strided")
+    assert torch.isnan(o_big[:, 0].float()).all() and torch.isnan(o_big[:, 5].float()).all()
+
+
+def test_jax_jit_no_recompile_and_donation():
+    """New splits and context lengths (device data) reuse one compiled program."""
+    import jax
+    import adapters.jax as aj
+    case = make_case([(10, 40), (7, 35)], 2, 1, 32, 16, 8, "float32")
+    f = jax.jit(functools.partial(aj.context_attention_fwd, max_input_len=16, skip_decode=True),
+                donate_argnames=("output",))
+    for lens in ([(10, 20), (7, 35)], [(12, 4), (5, 30)], [(1, 30), (16, 19)]):
+        qlens = np.array([a for a, _ in lens])
+        c2 = dict(case, b_start_loc=np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32),
+                  b_seq_len=(qlens + [c for _, c in lens]).astype(np.int32))
+        keep = np.full(case["q"].shape, 3.0, np.float32)
+        out = f(*(to_jax(c2[n]) for n in ARRAYS), output=to_jax(keep))
+        ref = reference(c2, skip_decode=True, output=keep)
+        assert_close(jax_to_numpy(out), ref, "float32", f"lens {lens}")
+    assert f._cache_size() == 1, "new block tables / lengths recompiled"
+
+
+def test_torch_compile_fullgraph():
+    case = make_case([(9, 20), (4, 0)], 2, 1, 32, 16, 8, "float32")
+    ts = {n: to_torch(case[n]) for n in ARRAYS}
+
+    def f(q, k, v, kc, vc, bl, bs, sl):
+        o = torch.empty_like(q)
+        at.context_attention_fwd(q, k, v, o, "auto", kc, vc, bl, bs, sl, 0, 9)
+        return o * 2
+
+    backend = "inductor" if GPU else "aot_eager"
+    out = torch.compile(f, fullgraph=True, backend=backend)(*(ts[n] for n in ARRAYS))
+    check(torch_to_numpy(out), 2 * reference(case), "float32", "compiled")
+
+
+def test_plan_is_cached_and_data_is_runtime():
+    case = make_case([(5, 20), (3, 9)], 2, 1, 32, 16, 8, "float32")
+    run("torch", case)
+    from core_kernels.prefix_prefill.plan import _plan
+    info0 = _plan.cache_info()
+    case["b_seq_len"] = case["b_seq_len"] + 1  # other lengths: same plan
+    run("torch", case)
+    info1 = _plan.cache_info()
+    assert info1.misses == info0.misses and info1.hits > info0.hits
+
+
+# ------------------------------------------------------------------ errors
+def _bad(case, **repl):
+    return {**case, **repl}
+
+
+def _error_cases():
+    c = make_case([(4, 10)], 4, 2, 32, 16, 8, "float32")
+    t = c["q"].shape[0]
+    f32 = np.float32
+    return [
+        ("q", _bad(c, q=np.zeros((t, 3, 32), f32)), {}),                       # Hq % Hkv
+        ("k_cache", _bad(c, k_cache=np.zeros((4, 2, 3, 16, 10), f32)), {}),     # x does not divide D
+        ("k_cache", _bad(c, k_cache=c["k_cache"].view(np.uint8)[..., :8],
+                         v_cache=c["v_cache"].view(np.uint8)[..., :16]), {}),  # uint8 with "auto"
+        ("k", _bad(c, k=c["k"].astype(np.float16)), {}),
+        ("v", _bad(c, v=c["v"][:, :1]), {}),
+        ("v_cache", _bad(c, v_cache=c["v_cache"][:, :, :16]), {}),
+        ("b_start_loc", _bad(c, b_start_loc=c["b_start_loc"][:1]), {}),
+        ("b_seq_len", _bad(c, b_seq_len=c["b_seq_len"].astype(np.float32)), {}),
+        ("kv_cache_dtype", c, dict(kv_cache_dtype="int4")),
+        ("alibi_slopes", c, dict(alibi_slopes=np.ones(3, f32))),
+        ("sinks", c, dict(sinks=np.ones((4, 1), f32))),
+        ("q", _bad(c, q=np.zeros((t, 4, 300), f32), k=np.zeros((t, 2, 300), f32),
+                   v=np.zeros((t, 2, 300), f32)), {}),                         # D > 256
+        ("k_cache", c, dict(kv_cache_dtype="fp8_e5m2")),                       # fp32 cache as fp8
+    ]
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+@pytest.mark.parametrize("case", range(13))
+def test_errors_name_the_argument(adapter, case):
+    name, c, opts = _error_cases()[case]
+    with pytest.raises((ValueError, TypeError), match=name):
+        run(adapter, c, **opts)
+
+
+def test_torch_output_errors():
+    c = make_case([(4, 10)], 4, 2, 32, 16, 8, "float32")
+    args = [to_torch(c[n]) for n in ARRAYS]
+    with pytest.raises(TypeError, match="output"):
+        at.context_attention_fwd(*args[:3], torch.empty(4, 4, 32, dtype=torch.float16, device=DEVICE),
+                                 "auto", *args[3:], 0, 4)
+    with pytest.raises(ValueError, match="fp8_out_scale"):
+        at.context_attention_fwd(*args[:3], torch.empty(4, 4, 32, dtype=torch.float8_e4m3fn, device=DEVICE),
+                                 "auto", *args[3:], 0, 4)
+    with pytest.raises(ValueError, match="output"):
+        at.context_attention_fwd(*args[:3], torch.empty(5, 4, 32, device=DEVICE), "auto", *args[3:], 0, 4)
+    with pytest.raises(ValueError, match="k_scale"):
+        at.context_attention_fwd(*args[:3], torch.empty(4, 4, 32, device=DEVICE), "fp8",
+                                 to_torch(np.zeros(c["k_cache"].shape, np.uint8)),
+                                 to_torch(np.zeros(c["v_cache"].shape, np.uint8)), *args[5:], 0, 4,
+                                 k_scale=torch.ones(2, device=DEVICE), v_scale=1.0)
+    with pytest.raises(ValueError, match="b_seq_len.*one device"):
+        at.context_attention_fwd(*args[:3], torch.empty(4, 4, 32, device=DEVICE), "auto",
+                                 *args[3:7], args[7].to("meta"), 0, 4)
+
+
+# ------------------------------------------------------------------ GPU, real sizes
+GPU_SEQS = [(300, 700), (129, 1024), (1, 2000), (64, 0), (512, 33)]
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("options", ["plain", "window-alibi-sinks", "fp8"])
+def test_gpu_real_sizes(dtype, options):
+    g = rng()
+    opts = _options(options, 32, g)
+    if "sliding_window" in opts:
+        opts["sliding_window"] = 256
+    fp8 = options == "fp8"
+    case = make_case(GPU_SEQS, 32, 8, 128, 16, 16 // np_dtype(dtype).itemsize, dtype,
+                     cache_fp8="float8_e4m3fn" if fp8 else None, as_uint8=fp8,
+                     window=opts.get("sliding_window"))
+    if fp8:
+        opts.update(kv_cache_dtype="fp8", k_scale=0.6, v_scale=0.9)
+    ref = reference(case, **opts)
+    t = run("torch", case, **opts)
+    check(t, ref, dtype, f"torch {options}")
+    j = run("jax", case, jit=True, **opts)
+    assert_bitwise_equal(t, j, f"torch vs jax {options}")
+
+
+@requires_gpu
+def test_gpu_head_sizes_and_block_sizes():
+    for d, bs, x in ((80, 16, 8), (96, 48, 8), (112, 544, 8), (192, 32, 16), (256, 16, 8), (64, 32, 4)):
+        case = make_case([(200, 300), (77, 0), (1, 50)], 8, 2, d, bs, x, "bfloat16")
+        check(run("torch", case), reference(case), "bfloat16", f"d={d} bs={bs}")
+
+
+@requires_gpu
+def test_cuda_graph_replay():
+    case = make_case([(128, 256), (64, 64)], 8, 2, 128, 16, 8, "float16")
+    ts = {n: to_torch(case[n]) for n in ARRAYS}
+    o = torch.empty(ts["q"].shape, dtype=torch.float16, device="cuda")
+    call = lambda: at.context_attention_fwd(ts["q"], ts["k"], ts["v"], o, "auto", ts["k_cache"],
+                                            ts["v_cache"], ts["b_loc"], ts["b_start_loc"],
+                                            ts["b_seq_len"], 0, 128)
+    call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    q2 = rng().standard_normal(case["q"].shape).astype(np.float16)
+    ts["q"].copy_(to_torch(q2))
+    o.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(torch_to_numpy(o), reference({**case, "q": q2}), "float16", "graph replay")

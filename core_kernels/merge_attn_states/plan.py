@@ -3,16 +3,19 @@ from __future__ import annotations
 
 import math
 
-from .._plan import (FLOAT_DTYPES, FP8_MAX, ArrayInfo, Buffer, Launch, Plan, Scalar,
+from .._plan import (FLOAT_DTYPES, FP8_MAX, ITEMSIZE, ArrayInfo, Buffer, Launch, Plan, Scalar,
                      cdiv, check_dtype, check_inner_contiguous, check_ndim, check_shape,
                      memoize, next_pow2)
 from .._triton_utils import FP8_ROUNDING
 from .kernels import _merge_attn_states_kernel
 
 MAX_HEAD_SIZE = 512
-# NOTE: tile of ~4096 elements per tensor (8 KiB bf16) with 4 warps: each thread
-# moves 32 elements per tensor in 16-byte vectors; retune with benchmarks/bench_merge.py.
-TILE_ELEMS = 4096
+# NOTE: elements per tile and warps by input itemsize, from the H200 sweep in
+# benchmarks/bench_merge_attn_states.py (16384x32x128): bf16 2048/2w 92.4% of copy
+# bandwidth vs 91.2% for 4096/4w; fp32 2048/8w 98% vs 88% for 4096/8w.
+# An evict_first hint on the loads cost 5-15% there, so loads use the default policy.
+TILE_ELEMS = {2: 2048, 4: 2048}
+NUM_WARPS = {2: 2, 4: 8}
 
 
 @memoize
@@ -22,7 +25,8 @@ def plan_merge_attn_states(
     output: ArrayInfo | None = None, output_lse: ArrayInfo | None = None,
     *, want_output_lse: bool = True, num_ctx: str = "none",
     has_output_scale: bool = False, output_dtype: str | None = None,
-    tile_elems: int = TILE_ELEMS, num_warps: int = 4, evict: str = "evict_first",
+    tile_elems: int | None = None, num_warps: int | None = None, evict: str = "",
+    max_programs: int = 0,
 ) -> Plan:
     """Plan the merge of two partial attention states.
 
@@ -80,6 +84,9 @@ def plan_merge_attn_states(
         return Plan(buffers, (), results)
 
     block_d = max(16, next_pow2(d))
+    itemsize = ITEMSIZE[prefix_output.dtype]
+    tile_elems = tile_elems or TILE_ELEMS[itemsize]
+    num_warps = num_warps or NUM_WARPS[itemsize]
     rows = n * h
     block_r = max(1, min(tile_elems // block_d, next_pow2(rows)))
     num_ctx_arg = Scalar("prefill_tokens_with_context", "i64") if num_ctx == "scalar" else Scalar(n, "i64")
@@ -88,7 +95,7 @@ def plan_merge_attn_states(
     lse_strides = output_lse.strides if has_out_lse else (0, 0)
     launch = Launch(
         kernel=_merge_attn_states_kernel,
-        grid=(cdiv(rows, block_r),),
+        grid=(min(cdiv(rows, block_r), max_programs) if max_programs else cdiv(rows, block_r),),
         args=("prefix_output", "prefix_lse", "suffix_output", "suffix_lse",
               num_ctx_ptr, out_scale_ptr,
               Scalar(rows), Scalar(h), num_ctx_arg,

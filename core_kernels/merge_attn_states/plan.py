@@ -98,7 +98,7 @@ def plan_merge_attn_states(
         grid=(min(cdiv(rows, block_r), max_programs) if max_programs else cdiv(rows, block_r),),
         args=("prefix_output", "prefix_lse", "suffix_output", "suffix_lse",
               num_ctx_ptr, out_scale_ptr,
-              Scalar(rows), Scalar(h), num_ctx_arg,
+              Scalar(rows), num_ctx_arg,
               *(Scalar(s) for s in prefix_output.strides[:2]),
               *(Scalar(s) for s in suffix_output.strides[:2]),
               *(Scalar(s) for s in output.strides[:2]),
@@ -107,7 +107,7 @@ def plan_merge_attn_states(
               *(Scalar(s) for s in lse_strides)),
         # without output_lse the kernel never touches its pointer: repeat "output"
         outputs=("output", "output_lse" if has_out_lse else "output"),
-        constexprs=dict(BLOCK_R=block_r, BLOCK_D=block_d, HEAD_SIZE=d,
+        constexprs=dict(BLOCK_R=block_r, BLOCK_D=block_d, HEAD_SIZE=d, NUM_HEADS=h,
                         ROW_ALIGN=math.gcd(16, *prefix_output.strides[:2], *suffix_output.strides[:2],
                                            *output.strides[:2]),
                         EVICT=evict,

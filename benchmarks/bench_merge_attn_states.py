@@ -68,14 +68,13 @@ def tile_sweep(copy_bw):
         nbytes = 3 * n * h * d * po.element_size() + 3 * n * h * 4
         for tile in (2048, 4096):
             for warps in (2, 4, 8):
-                for progs in (0, 132 * 8, 132 * 16):  # 0: one program per tile
+                for evict in ("",):
                     plan = plan_merge_attn_states(info(po), info(pl), info(so), info(sl), info(out),
-                                                  info(lse), tile_elems=tile, num_warps=warps,
-                                                  max_programs=progs)
+                                                  info(lse), tile_elems=tile, num_warps=warps, evict=evict)
                     tensors = dict(output=out, output_lse=lse, prefix_output=po, prefix_lse=pl,
                                    suffix_output=so, suffix_lse=sl)
                     t = timing.kernel_time_torch(lambda: run_plan(plan, tensors, {}))
-                    rows.append(dict(name=f"sweep-{dtype}-tile{tile}-w{warps}-p{progs}",
+                    rows.append(dict(name=f"sweep-{dtype}-tile{tile}-w{warps}",
                                      torch_us=t * 1e6,
                                      **{"TB/s": nbytes / t / 1e12, "%copy": 100 * nbytes / t / copy_bw}))
     return rows

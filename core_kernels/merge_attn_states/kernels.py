@@ -17,59 +17,31 @@ def _merge_attn_states_kernel(
     prefix_out_ptr, prefix_lse_ptr, suffix_out_ptr, suffix_lse_ptr,
     num_ctx_ptr, out_scale_ptr,
     # runtime scalars
-    num_rows, num_ctx_arg,
+    num_rows, num_heads, num_ctx_arg,
     stride_po_t, stride_po_h, stride_so_t, stride_so_h, stride_o_t, stride_o_h,
     stride_plse_h, stride_plse_t, stride_slse_h, stride_slse_t,
     stride_olse_h, stride_olse_t,
     # output pointers
     out_ptr, out_lse_ptr,
     # constexprs
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_SIZE: tl.constexpr, NUM_HEADS: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_SIZE: tl.constexpr,
     ROW_ALIGN: tl.constexpr, EVICT: tl.constexpr,
     NUM_CTX_FROM_PTR: tl.constexpr, HAS_OUT_LSE: tl.constexpr,
     HAS_SCALE: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT_BITS: tl.constexpr,
     FP8_MIN_NORMAL: tl.constexpr, FP8_SUBNORMAL_MAGIC: tl.constexpr,
 ):
+    i_r = tl.program_id(0)
+    o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    m_r = o_r < num_rows
+    o_t = (o_r // num_heads).to(tl.int64)
+    o_h = (o_r % num_heads).to(tl.int64)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_SIZE
+
     if NUM_CTX_FROM_PTR:
         num_ctx = tl.load(num_ctx_ptr).to(tl.int64)
     else:
         num_ctx = num_ctx_arg
-    if HAS_SCALE:
-        scale = tl.load(out_scale_ptr).to(tl.float32)
-    else:
-        scale = 1.0
-    # NOTE: the plan may cap the grid below the tile count (a persistent loop);
-    # with one tile per program the loop runs once.
-    num_tiles = (num_rows + BLOCK_R - 1) // BLOCK_R
-    for i_tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        _merge_tile(i_tile, prefix_out_ptr, prefix_lse_ptr, suffix_out_ptr, suffix_lse_ptr, num_rows,
-                    num_ctx, scale,
-                    stride_po_t, stride_po_h, stride_so_t, stride_so_h, stride_o_t, stride_o_h,
-                    stride_plse_h, stride_plse_t, stride_slse_h, stride_slse_t,
-                    stride_olse_h, stride_olse_t, out_ptr, out_lse_ptr,
-                    BLOCK_R, BLOCK_D, HEAD_SIZE, NUM_HEADS, ROW_ALIGN, EVICT, HAS_OUT_LSE, HAS_SCALE, FP8_MAX,
-                    FP8_MANT_BITS, FP8_MIN_NORMAL, FP8_SUBNORMAL_MAGIC)
-
-
-@triton.jit
-def _merge_tile(i_r, prefix_out_ptr, prefix_lse_ptr, suffix_out_ptr, suffix_lse_ptr, num_rows,
-                num_ctx, scale,
-                stride_po_t, stride_po_h, stride_so_t, stride_so_h, stride_o_t, stride_o_h,
-                stride_plse_h, stride_plse_t, stride_slse_h, stride_slse_t,
-                stride_olse_h, stride_olse_t, out_ptr, out_lse_ptr,
-                BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_SIZE: tl.constexpr,
-                NUM_HEADS: tl.constexpr, ROW_ALIGN: tl.constexpr, EVICT: tl.constexpr, HAS_OUT_LSE: tl.constexpr,
-                HAS_SCALE: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT_BITS: tl.constexpr,
-                FP8_MIN_NORMAL: tl.constexpr, FP8_SUBNORMAL_MAGIC: tl.constexpr):
-    o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    m_r = o_r < num_rows
-    # NOTE: H is a constexpr so the row split is a multiply-shift, the same code
-    # in both frameworks (jax-triton specialises no integer argument).
-    o_t = (o_r // NUM_HEADS).to(tl.int64)
-    o_h = (o_r % NUM_HEADS).to(tl.int64)
-    o_d = tl.arange(0, BLOCK_D)
-    m_d = o_d < HEAD_SIZE
-
     # [BLOCK_R] rows that have both a prefix and a suffix part
     m_ctx = m_r & (o_t < num_ctx)
 
@@ -111,6 +83,7 @@ def _merge_tile(i_r, prefix_out_ptr, prefix_lse_ptr, suffix_out_ptr, suffix_lse_
     b_o = tl.where(m_ctx[:, None], b_merged, b_so)
 
     if HAS_SCALE:
+        scale = tl.load(out_scale_ptr).to(tl.float32)
         b_o = tl.math.div_rn(b_o, scale)
         b_o = tl.clamp(b_o, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
         b_o = round_to_fp8_grid(b_o, FP8_MANT_BITS, FP8_MIN_NORMAL, FP8_SUBNORMAL_MAGIC)

@@ -12,8 +12,10 @@ from .kernels import _merge_attn_states_kernel
 MAX_HEAD_SIZE = 512
 # NOTE: elements per tile and warps by input itemsize, from the H200 sweep in
 # benchmarks/bench_merge_attn_states.py (16384x32x128): bf16 2048/2w 92.4% of copy
-# bandwidth vs 91.2% for 4096/4w; fp32 2048/8w 98% vs 88% for 4096/8w.
-# An evict_first hint on the loads cost 5-15% there, so loads use the default policy.
+# bandwidth vs 91.2% for 4096/4w; fp32 2048/8w 98% vs 88% for 4096/8w (run-to-run
+# spread is a few percent). An evict_first hint on the loads cost 5-15% there, so
+# loads use the default policy. A persistent grid-stride loop (grid capped at
+# 8x or 16x the SM count) was no faster for bf16 and is not used.
 TILE_ELEMS = {2: 2048, 4: 2048}
 NUM_WARPS = {2: 2, 4: 8}
 
@@ -26,7 +28,6 @@ def plan_merge_attn_states(
     *, want_output_lse: bool = True, num_ctx: str = "none",
     has_output_scale: bool = False, output_dtype: str | None = None,
     tile_elems: int | None = None, num_warps: int | None = None, evict: str = "",
-    max_programs: int = 0,
 ) -> Plan:
     """Plan the merge of two partial attention states.
 
@@ -95,10 +96,10 @@ def plan_merge_attn_states(
     lse_strides = output_lse.strides if has_out_lse else (0, 0)
     launch = Launch(
         kernel=_merge_attn_states_kernel,
-        grid=(min(cdiv(rows, block_r), max_programs) if max_programs else cdiv(rows, block_r),),
+        grid=(cdiv(rows, block_r),),
         args=("prefix_output", "prefix_lse", "suffix_output", "suffix_lse",
               num_ctx_ptr, out_scale_ptr,
-              Scalar(rows), num_ctx_arg,
+              Scalar(rows), Scalar(h), num_ctx_arg,
               *(Scalar(s) for s in prefix_output.strides[:2]),
               *(Scalar(s) for s in suffix_output.strides[:2]),
               *(Scalar(s) for s in output.strides[:2]),
@@ -107,7 +108,7 @@ def plan_merge_attn_states(
               *(Scalar(s) for s in lse_strides)),
         # without output_lse the kernel never touches its pointer: repeat "output"
         outputs=("output", "output_lse" if has_out_lse else "output"),
-        constexprs=dict(BLOCK_R=block_r, BLOCK_D=block_d, HEAD_SIZE=d, NUM_HEADS=h,
+        constexprs=dict(BLOCK_R=block_r, BLOCK_D=block_d, HEAD_SIZE=d,
                         ROW_ALIGN=math.gcd(16, *prefix_output.strides[:2], *suffix_output.strides[:2],
                                            *output.strides[:2]),
                         EVICT=evict,

@@ -54,9 +54,26 @@ def pipelined_time(calls, framework: str, reps: int = 200, trials: int = 5) -> f
     return statistics.median(results)
 
 
-def host_overhead(call, framework: str, reps: int = 2000) -> float:
-    """Seconds of host time per call (the GPU keeps up with tiny kernels)."""
-    return pipelined_time([call], framework, reps=reps, trials=3)
+def host_overhead(call, framework: str, reps: int = 200, trials: int = 15) -> float:
+    """Seconds of host time per call: the time to enqueue ``reps`` calls (fewer
+    than the launch queue holds, so the host never waits for the GPU),
+    median over trials, with the device drained between trials."""
+    def drain(r):
+        if framework == "jax":
+            import jax
+            jax.block_until_ready(r)
+        else:
+            _sync("torch")
+
+    drain(call())
+    results = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            r = call()
+        results.append((time.perf_counter() - t0) / reps)
+        drain(r)
+    return statistics.median(results)
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:

@@ -86,6 +86,48 @@ def cases():
 EXTRA_CASES = []  # other ops append generators of (op, case, make) here
 
 
+# ------------------------------------------------------------------ block-sparse
+def blocksparse_case(seqlens, hq, hkv, d, dtype, block=64, local=16, stride=8):
+    import jax
+    import jax.numpy as jnp
+    import adapters.jax as aj
+    import adapters.torch as at
+    from core_kernels.blocksparse_attention import get_sparse_attn_mask
+    from core_kernels.blocksparse_attention.reference import blocksparse_attention_reference
+    tdt = getattr(torch, dtype)
+    total = sum(seqlens)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(seqlens)]), dtype=torch.int32, device=DEVICE)
+    q = torch.randn(total, hq, d, dtype=tdt, device=DEVICE)
+    k = torch.randn(total, hkv, d, dtype=tdt, device=DEVICE)
+    v = torch.randn(total, hkv, d, dtype=tdt, device=DEVICE)
+    max_seqlen = max(seqlens)
+    (crow, col), mask = get_sparse_attn_mask(hq, max_seqlen, block, local, stride, homo_head=False)
+    layout_t = (torch.from_numpy(np.array(crow)).to(DEVICE), torch.from_numpy(np.array(col)).to(DEVICE))
+    run_torch = lambda: at.blocksparse_flash_attn_varlen_fwd(  # noqa: E731
+        q, k, v, cu, cu, None, layout_t, block_size=block, max_seqlen=max_seqlen)
+    jq, jk, jv = (jnp.asarray(_np(t).astype(np.float32)).astype(dtype) for t in (q, k, v))
+    jcu = jnp.asarray(cu.cpu().numpy())
+    layout_j = (jnp.asarray(crow), jnp.asarray(col))
+    f = jax.jit(lambda q, k, v, cu: aj.blocksparse_flash_attn_varlen_fwd(
+        q, k, v, cu, cu, None, layout_j, block_size=block, max_seqlen=max_seqlen))
+    run_jax = lambda: f(jq, jk, jv, jcu)  # noqa: E731
+    ref = blocksparse_attention_reference(_np(q), _np(k), _np(v), cu.cpu().numpy(), cu.cpu().numpy(),
+                                          mask, block_size=block)
+    return run_torch, run_jax, ref
+
+
+def _blocksparse_cases():
+    if GPU:
+        yield ("blocksparse_attention", "prefill 2048+1024 Phi-3-small bf16",
+               lambda: blocksparse_case([2048, 1024], 32, 8, 128, "bfloat16"))
+    else:
+        yield ("blocksparse_attention", "prefill 2 seqs (96, 160) fp32",
+               lambda: blocksparse_case([96, 160], 4, 2, 32, "float32", block=16, local=2, stride=2))
+
+
+EXTRA_CASES.append(_blocksparse_cases)
+
+
 def main():
     reps = 20 if GPU else 1
     print(f"device: {torch.cuda.get_device_name() if GPU else 'CPU (Triton interpreter)'}")

@@ -11,3 +11,47 @@ def merge_shapes():
         for n in MERGE_TOKENS:
             for dtype in MERGE_DTYPES:
                 yield dict(name=f"{model}-N{n}-{dtype}", n=n, h=h, d=d, dtype=dtype)
+
+
+# blocksparse_attention: Phi-3-small (Hq=32, Hkv=8, D=128, block 64, local 16, stride 8, per-head)
+BLOCKSPARSE_MODEL = dict(hq=32, hkv=8, d=128, block_size=64, local_blocks=16, vert_stride=8,
+                         homo_head=False)
+# (name, lens_k, lens_q or None for decode-only)
+BLOCKSPARSE_SHAPES = (
+    ("prefill-1x16384", [16384], [16384]),
+    ("prefill-4x4096", [4096] * 4, [4096] * 4),
+    ("decode-1x16384", [16384], None),
+    ("decode-64x4096", [4096] * 64, None),
+    ("mixed-2pf2048+2ctx4096q512+28dec4096", [2048] * 2 + [4096] * 2 + [4096] * 28,
+     [2048] * 2 + [512] * 2 + [1] * 28),
+)
+
+
+# prefix_prefill (context_attention_fwd): Llama-8B heads (Hq=32, Hkv=8, D=128), paged
+# cache block 16. (name, [(query_len, context_len), ...], dtype, options)
+PREFIX_PREFILL_MODEL = dict(hq=32, hkv=8, d=128, block_size=16)
+PREFIX_PREFILL_SHAPES = (
+    ("B4-q1024-ctx4096-fp16", [(1024, 4096)] * 4, "float16", {}),
+    ("B4-q1024-ctx4096-bf16", [(1024, 4096)] * 4, "bfloat16", {}),
+    ("B16-q256-ctx2048-bf16", [(256, 2048)] * 16, "bfloat16", {}),
+    ("B1-q8192-ctx0-bf16", [(8192, 0)], "bfloat16", {}),
+    ("B4-q1024-ctx4096-bf16-fp8kv", [(1024, 4096)] * 4, "bfloat16", {"kv_cache_dtype": "fp8"}),
+    ("B4-q1024-ctx16384-bf16-window4096", [(1024, 16384)] * 4, "bfloat16", {"sliding_window": 4096}),
+    ("B4-q1024-ctx16384-bf16", [(1024, 16384)] * 4, "bfloat16", {}),
+    ("B4-q1024-ctx4096-fp32", [(1024, 4096)] * 4, "float32", {}),
+)
+
+
+# lightning attention (MiniMax-Text-01 / M1: 64 heads, D = E = 128)
+LIGHTNING_PREFILL = [
+    dict(name=f"prefill-B{b}-H{h}-N{n}-{dt}" + ("-final" if fso else ""), b=b, h=h, n=n, d=128, e=128,
+         dtype=dt, fso=fso, jnp_baseline=(b, h, n, fso) == (1, 64, 4096, False) and dt != "float16")
+    for (b, h, n) in ((1, 64, 4096), (1, 8, 65536), (4, 64, 1024))
+    for dt in ("float32", "bfloat16", "float16")
+    for fso in (False, True)
+    if dt != "float16" or (b, h, n, fso) == (1, 64, 4096, False)
+]
+LIGHTNING_DECODE = [
+    dict(name=f"decode-B{b}-{dt}", b=b, h=64, d=128, dtype=dt, baselines=b == 64 and dt == "bfloat16")
+    for b in (1, 64, 256) for dt in ("bfloat16", "float32")
+]

@@ -1,5 +1,12 @@
 """Triton kernels for block-sparse varlen attention (framework-free).
 
+NOTE: strides and head counts are constexprs. jax-triton gives integer
+scalars no divisibility hints while a torch launch marks multiples of 16, so
+runtime strides compiled to different code in the two frameworks (unvectorised
+loads: JAX prefill ran 5x slower, and decode results differed in the last bit,
+seen on the H200). As constexprs both compile the very same kernel; they are
+fixed per model, so this costs no recompiles in practice.
+
 Three kernels:
 - ``_bsattn_fwd_kernel``: any batch (prefill, prefill over a cached prefix,
   decode, mixed). A 1-D grid of (tile, head) programs; the tile schedule is
@@ -101,12 +108,16 @@ def _bsattn_fwd_kernel(
     # input pointers
     q_ptr, k_ptr, v_ptr, cu_k_ptr, cu_q_ptr, crow_ptr, col_ptr,
     # runtime scalars
-    num_seqs, num_heads, num_rows, head_size, num_queries_per_kv,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_ot, stride_oh, stride_crow_h, stride_col_h,
+    num_seqs,
     # output pointers
     out_ptr,
     # constexprs
+    num_heads: tl.constexpr, num_rows: tl.constexpr, head_size: tl.constexpr,
+    num_queries_per_kv: tl.constexpr,
+    stride_qt: tl.constexpr, stride_qh: tl.constexpr, stride_kt: tl.constexpr,
+    stride_kh: tl.constexpr, stride_vt: tl.constexpr, stride_vh: tl.constexpr,
+    stride_ot: tl.constexpr, stride_oh: tl.constexpr, stride_crow_h: tl.constexpr,
+    stride_col_h: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, GROUP: tl.constexpr, B_P2: tl.constexpr, NNZ_P2: tl.constexpr,
     CNT_CHUNK: tl.constexpr, DECODE_Q: tl.constexpr, EVEN_D: tl.constexpr,
@@ -226,13 +237,14 @@ def _bsattn_fwd_kernel(
 def _bsattn_decode_kernel(
     # input pointers
     q_ptr, k_ptr, v_ptr, cu_k_ptr, crow_ptr, col_ptr,
-    # runtime scalars
-    num_heads, head_size, num_queries_per_kv,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_ot, stride_oh, stride_crow_h, stride_col_h,
     # output pointers
     out_ptr, part_o_ptr, part_lse_ptr,
     # constexprs
+    num_heads: tl.constexpr, head_size: tl.constexpr, num_queries_per_kv: tl.constexpr,
+    stride_qt: tl.constexpr, stride_qh: tl.constexpr, stride_kt: tl.constexpr,
+    stride_kh: tl.constexpr, stride_vt: tl.constexpr, stride_vh: tl.constexpr,
+    stride_ot: tl.constexpr, stride_oh: tl.constexpr, stride_crow_h: tl.constexpr,
+    stride_col_h: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, EVEN_D: tl.constexpr, QK_SCALE: tl.constexpr,
 ):
@@ -304,11 +316,11 @@ def _bsattn_decode_kernel(
 def _bsattn_combine_kernel(
     # input pointers
     part_o_ptr, part_lse_ptr,
-    # runtime scalars
-    num_heads, head_size, stride_ot, stride_oh,
     # output pointers
     out_ptr,
     # constexprs
+    num_heads: tl.constexpr, head_size: tl.constexpr, stride_ot: tl.constexpr,
+    stride_oh: tl.constexpr,
     NUM_SPLITS: tl.constexpr, S_P2: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)

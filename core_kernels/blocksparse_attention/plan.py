@@ -9,10 +9,11 @@ from .kernels import LOG2E, _bsattn_combine_kernel, _bsattn_decode_kernel, _bsat
 
 MAX_HEAD_SIZE = 256
 BLOCK_SIZES = (16, 32, 64, 128, 256)
-# NOTE: H200 has 132 SMs; decode splits a row's key blocks until about
+# NOTE: H200 has 132 SMs; decode splits (8 programs per SM: 2 per SM gave 25.5 us
+# at 1x16384, 1.9 TB/s) a row's key blocks until about
 # DECODE_TARGET_PROGRAMS programs are in flight (flash-decoding). Framework-free
 # code cannot ask the device, so the number is fixed here.
-DECODE_TARGET_PROGRAMS = 2 * 132
+DECODE_TARGET_PROGRAMS = 8 * 132
 # NOTE: shared memory per CTA on Hopper is 227 KiB; keep Q + stages x (K + V)
 # under this so large D / fp32 still compile.
 SMEM_BUDGET = 200 * 1024
@@ -139,12 +140,16 @@ def plan_blocksparse_attention(
     cu_q_name = "cu_seqlens_q" if cu_seqlens_q is not None else "cu_seqlens_k"
     strides = (*q.strides[:2], *k.strides[:2], *v.strides[:2])
     out_strides = (hq * d, d)
+    layout_consts = dict(zip(("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
+                              "stride_vh", "stride_ot", "stride_oh", "stride_crow_h",
+                              "stride_col_h"),
+                             (*strides, *out_strides, stride_crow_h, stride_col_h)))
 
     if decode_only and group == 1 and use_decode_kernel:
         bn = min(block_size, 64)
         if decode_splits is None:
             row_bound = cdiv(min(col.shape[-1], nb) * block_size, bn)
-            splits = max(1, min(cdiv(DECODE_TARGET_PROGRAMS, b * hq), cdiv(row_bound, 2), 32))
+            splits = max(1, min(cdiv(DECODE_TARGET_PROGRAMS, b * hq), row_bound, 64))
         else:
             splits = int(decode_splits)
         # one split writes the output directly; the scratch is then a 1-element dummy
@@ -154,22 +159,20 @@ def plan_blocksparse_attention(
         part = ("part_o", "part_lse")
         decode = Launch(
             kernel=_bsattn_decode_kernel, grid=(b * hq * splits,),
-            args=("q", "k", "v", "cu_seqlens_k", "crow", "col",
-                  Scalar(hq), Scalar(d), Scalar(hq // hkv),
-                  *(Scalar(s) for s in strides), *(Scalar(s) for s in out_strides),
-                  Scalar(stride_crow_h), Scalar(stride_col_h)),
+            args=("q", "k", "v", "cu_seqlens_k", "crow", "col"),
             outputs=("output", *part),
-            constexprs=dict(BLOCK_SIZE=block_size, BLOCK_N=bn, BLOCK_D=d_pad,
+            constexprs=dict(num_heads=hq, head_size=d, num_queries_per_kv=hq // hkv,
+                            **layout_consts, BLOCK_SIZE=block_size, BLOCK_N=bn, BLOCK_D=d_pad,
                             NUM_SPLITS=splits, EVEN_D=even_d, QK_SCALE=qk_scale),
             num_warps=num_warps or 4, num_stages=num_stages or 2)
         launches = [decode]
         if splits > 1:
             launches.append(Launch(
                 kernel=_bsattn_combine_kernel, grid=(b * hq,),
-                args=("part_o", "part_lse", Scalar(hq), Scalar(d),
-                      *(Scalar(s) for s in out_strides)),
+                args=("part_o", "part_lse"),
                 outputs=("output",),
-                constexprs=dict(NUM_SPLITS=splits, S_P2=next_pow2(splits), BLOCK_D=d_pad),
+                constexprs=dict(num_heads=hq, head_size=d, stride_ot=out_strides[0],
+                                stride_oh=out_strides[1], NUM_SPLITS=splits, S_P2=next_pow2(splits), BLOCK_D=d_pad),
                 num_warps=4, num_stages=1))
         return Plan(buffers, tuple(launches), ("output",))
 
@@ -182,12 +185,10 @@ def plan_blocksparse_attention(
     n_flat = min(cdiv(q_tokens, bm) + 2 * b, b * cdiv(max_seqlen, bm))
     launch = Launch(
         kernel=_bsattn_fwd_kernel, grid=(n_flat * hq,),
-        args=("q", "k", "v", "cu_seqlens_k", cu_q_name, "crow", "col",
-              Scalar(b), Scalar(hq), Scalar(nb), Scalar(d), Scalar(hq // hkv),
-              *(Scalar(s) for s in strides), *(Scalar(s) for s in out_strides),
-              Scalar(stride_crow_h), Scalar(stride_col_h)),
+        args=("q", "k", "v", "cu_seqlens_k", cu_q_name, "crow", "col", Scalar(b)),
         outputs=("output",),
-        constexprs=dict(BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d_pad, GROUP=group,
+        constexprs=dict(num_heads=hq, num_rows=nb, head_size=d, num_queries_per_kv=hq // hkv,
+                        **layout_consts, BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d_pad, GROUP=group,
                         B_P2=max(2, next_pow2(b)), NNZ_P2=max(2, next_pow2(min(col.shape[-1], nb))),
                         CNT_CHUNK=64, DECODE_Q=decode_only, EVEN_D=even_d,
                         IS_FP32=q.dtype == "float32", QK_SCALE=qk_scale),

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from core_kernels.prefix_prefill import context_attention_reference, tile_config
-from harness import (ADAPTERS, DEVICE, FLOAT_DTYPES, GPU, assert_bitwise_equal,
+from harness import (ADAPTERS, DEVICE, FLOAT_DTYPES, GPU, TOL, assert_bitwise_equal,
                      assert_close, cast, jax_to_numpy, np_dtype, poison_like, requires_gpu, rng,
                      to_jax, to_torch, torch_to_numpy)
 import adapters.torch as at
@@ -141,7 +141,8 @@ def test_matches_reference(adapter, dtype, shape):
 
 
 @pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("tiles", [(16, 16), (32, 16), (16, 32)], ids=str)
+@pytest.mark.parametrize("tiles", [(16, 16), (32, 16, 4, 2, False, 0), (16, 32, 4, 2, False, 2),
+                                   (64, 32, 4, 2, True, 2)], ids=str)
 def test_small_tiles_full_and_masked_runs(adapter, tiles):
     """Small tiles so every run (masked / full, cache / new keys) has several tiles."""
     case = make_case([(70, 90), (37, 0), (1, 33), (48, 16)], 4, 1, 32, 16, 8, "float32",
@@ -195,11 +196,13 @@ def test_fp8_cache(adapter, kv_cache_dtype, as_uint8, dtype):
     check(run(adapter, case, **opts), reference(case, **opts), dtype, kv_cache_dtype)
 
 
-def _fp8_out_check(out8, ref, scale):
+def _fp8_out_check(out8, ref, scale, dtype):
+    """One fp8 step (1/8 relative), plus the q dtype's absolute error magnified by 1/scale."""
     assert out8.dtype.name == "float8_e4m3fn"
     ref8 = np.clip(ref / scale, -448, 448)
+    atol = max(2 ** -8, TOL[tolerance_dtype(dtype)][0] / scale)
     np.testing.assert_allclose(out8.astype(np.float64), cast(ref8, "float8_e4m3fn").astype(np.float64),
-                               rtol=0.13, atol=2 ** -8)
+                               rtol=0.13, atol=atol)
 
 
 @pytest.mark.parametrize("adapter", ADAPTERS)
@@ -209,7 +212,7 @@ def test_fp8_output(adapter, dtype):
     scale = 0.004  # |o| up to ~2 -> saturates at 448: clamp before the cast
     out8 = run(adapter, case, fp8_out_scale=scale)
     ref = reference(case)
-    _fp8_out_check(out8, ref, scale)
+    _fp8_out_check(out8, ref, scale, dtype)
     assert np.abs(ref / scale).max() > 448, "the test should exercise the clamp"
     if dtype == "float32" and not GPU:
         # bit-identical to clamp-then-cast in the framework of our own fp32 output
@@ -229,7 +232,7 @@ def test_everything_combined(adapter):
     opts.update(kv_cache_dtype="fp8", k_scale=0.5, v_scale=2.0, skip_decode=True)
     out8 = run(adapter, case, fp8_out_scale=0.01, output=keep, **opts)
     ref = reference(case, output=keep.astype(np.float64) * 0.01, **opts)
-    _fp8_out_check(out8, ref, 0.01)
+    _fp8_out_check(out8, ref, 0.01, "float16")
     assert_bitwise_equal(out8[30:31], keep[30:31], "decode row kept")
     assert_bitwise_equal(out8[-1:], keep[-1:], "decode row kept")
 
@@ -313,7 +316,7 @@ def test_jax_jit_no_recompile_and_donation():
         keep = np.full(case["q"].shape, 3.0, np.float32)
         out = f(*(to_jax(c2[n]) for n in ARRAYS), output=to_jax(keep))
         ref = reference(c2, skip_decode=True, output=keep)
-        assert_close(jax_to_numpy(out), ref, "float32", f"lens {lens}")
+        check(jax_to_numpy(out), ref, "float32", f"lens {lens}")
     assert f._cache_size() == 1, "new block tables / lengths recompiled"
 
 

@@ -56,6 +56,28 @@ def _tile_runs(lo_key, hi_key, full_lo_key, full_hi_key, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _tile_at(i_k, t_a, t_c, n_first):
+    """Tile index of iteration i_k over the runs [t_a, t_a + n_first), [t_c, ...)."""
+    return tl.where(i_k < n_first, t_a + i_k, t_c + (i_k - n_first))
+
+
+@triton.jit
+def _block_ids(b_loc_row, stride_bl_n, i_n, lo_key, hi_key, BLOCK_N: tl.constexpr,
+               CACHE_BLOCK: tl.constexpr, ID_RUN: tl.constexpr):
+    """[BLOCK_N] physical block of each token of key tile i_n (int64).
+
+    Tokens are clamped into the visible range [lo_key, hi_key): only live
+    block-table slots are read, whatever tile index is asked for.
+    """
+    tok = tl.minimum(tl.maximum(i_n * BLOCK_N + tl.arange(0, BLOCK_N), lo_key), hi_key - 1)
+    i_blk = tl.load(b_loc_row + (tok // CACHE_BLOCK) * stride_bl_n).to(tl.int64)
+    # tiles start at multiples of BLOCK_N, so aligned runs of ID_RUN =
+    # gcd(BLOCK_N, CACHE_BLOCK) tokens share one physical block (clamping
+    # keeps that true: a clamped token lands in its run's block)
+    return tl.max_constancy(i_blk, ID_RUN)
+
+
+@triton.jit
 def _attend(
     acc, l_i, m_i, b_q, o_d, p_pos,
     t_a, t_b, t_c, t_d, lo_key, hi_key, pos_base, window, qk_scale2, alibi2, v_scale,
@@ -67,13 +89,26 @@ def _attend(
     BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, X: tl.constexpr,
     ID_RUN: tl.constexpr, KV_FP8: tl.constexpr, FP8_TYPE: tl.constexpr,
     DOT_TYPE: tl.constexpr, KC_STRIDE_T: tl.constexpr, KC_STRIDE_X: tl.constexpr,
-    VC_STRIDE_T: tl.constexpr,
+    VC_STRIDE_T: tl.constexpr, PREFETCH_IDS: tl.constexpr,
 ):
     """Online softmax over the key tiles [t_a, t_b) and [t_c, t_d) of one source."""
     m_d = o_d < HEAD_D
     n_first = t_b - t_a
+    ids_next = 0
+    ids_next2 = 0
+    if FROM_CACHE and PREFETCH_IDS > 0:
+        # NOTE: block ids are loaded PREFETCH_IDS tiles ahead into registers.
+        # Loaded in the same iteration, the pipeliner turns them into cp.async
+        # groups queued between K/V groups, and waiting for the ids (needed for
+        # the K/V addresses) also waits for the K/V copies ahead of them
+        # (1 tile ahead: 12% faster on the H200 with BLOCK_N=64; see plan.py).
+        ids_next = _block_ids(b_loc_row, stride_bl_n, _tile_at(0, t_a, t_c, n_first),
+                              lo_key, hi_key, BLOCK_N, CACHE_BLOCK, ID_RUN)
+        if PREFETCH_IDS > 1:
+            ids_next2 = _block_ids(b_loc_row, stride_bl_n, _tile_at(1, t_a, t_c, n_first),
+                                   lo_key, hi_key, BLOCK_N, CACHE_BLOCK, ID_RUN)
     for i_k in range(0, n_first + (t_d - t_c)):
-        i_n = tl.where(i_k < n_first, t_a + i_k, t_c + (i_k - n_first))
+        i_n = _tile_at(i_k, t_a, t_c, n_first)
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] key index in its source
         if MASKED:
             m_n = (o_n >= lo_key) & (o_n < hi_key)
@@ -90,10 +125,18 @@ def _attend(
             if MASKED:
                 # clamp into the visible range: only live block-table slots are read
                 tok = tl.minimum(tl.maximum(o_n, lo_key), hi_key - 1)
-            i_blk = tl.load(b_loc_row + (tok // CACHE_BLOCK) * stride_bl_n).to(tl.int64)
-            # tiles start at multiples of BLOCK_N, so aligned runs of ID_RUN
-            # = gcd(BLOCK_N, CACHE_BLOCK) tokens share one physical block
-            i_blk = tl.max_constancy(i_blk, ID_RUN)
+            if PREFETCH_IDS > 1:
+                i_blk = ids_next
+                ids_next = ids_next2
+                ids_next2 = _block_ids(b_loc_row, stride_bl_n, _tile_at(i_k + 2, t_a, t_c, n_first),
+                                       lo_key, hi_key, BLOCK_N, CACHE_BLOCK, ID_RUN)
+            elif PREFETCH_IDS > 0:
+                i_blk = ids_next
+                ids_next = _block_ids(b_loc_row, stride_bl_n, _tile_at(i_k + 1, t_a, t_c, n_first),
+                                      lo_key, hi_key, BLOCK_N, CACHE_BLOCK, ID_RUN)
+            else:
+                i_blk = _block_ids(b_loc_row, stride_bl_n, i_n, lo_key, hi_key, BLOCK_N,
+                                   CACHE_BLOCK, ID_RUN)
             o_t = tok % CACHE_BLOCK
             # [HEAD_D, BLOCK_N] from [num_blocks, Hkv, D // X, block_size, X]
             p_kt = (k_base + i_blk[None, :] * stride_kc_b + (o_d // X)[:, None] * stride_kc_dx
@@ -117,7 +160,7 @@ def _attend(
             t_pos = pos_base + o_n
             rel = t_pos[None, :] - p_pos[:, None]  # [BLOCK_M, BLOCK_N] key pos - query pos
             if HAS_ALIBI:
-                s = s + alibi2 * rel.to(tl.float32)
+                s = s + alibi2[:, None] * rel.to(tl.float32)
             if MASKED:
                 vis = m_n[None, :]
                 if not FROM_CACHE:
@@ -148,41 +191,48 @@ def _prefix_prefill_kernel(
     q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
     b_loc_ptr, b_start_loc_ptr, b_seq_len_ptr,
     k_scale_ptr, v_scale_ptr, alibi_ptr, sinks_ptr, out_scale_ptr, out_in_ptr,
-    # runtime scalars
-    window,
-    stride_q_t, stride_q_h, stride_q_d,
-    stride_k_t, stride_k_h, stride_k_d,
-    stride_v_t, stride_v_h, stride_v_d,
-    stride_o_t, stride_o_h, stride_o_d,
-    stride_kc_b, stride_kc_h, stride_kc_dx, stride_vc_b, stride_vc_h, stride_vc_d,
+    # runtime scalars (the block table's strides: its width changes per batch)
     stride_bl_b, stride_bl_n,
     # output pointers
     out_ptr,
     # constexprs
     QK_SCALE2: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, X: tl.constexpr,
-    ID_RUN: tl.constexpr, GROUP: tl.constexpr,
+    ID_RUN: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr, PREFETCH_IDS: tl.constexpr,
     KV_FP8: tl.constexpr, FP8_E5M2: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     SKIP_DECODE: tl.constexpr, OUT_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
     FP8_MANT_BITS: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr,
     FP8_SUBNORMAL_MAGIC: tl.constexpr,
-    # NOTE: the cache's token / x strides are constexprs: as runtime ints a
-    # stride like x = 8 (not a multiple of 16) hides the 16-byte alignment of
-    # each x-vector, the K loads drop to 2 bytes and the pipeliner skips them
-    # (seen in the sm_90 TTGIR). They are fixed per cache layout anyway.
-    KC_STRIDE_T: tl.constexpr, KC_STRIDE_X: tl.constexpr, VC_STRIDE_T: tl.constexpr,
+    # NOTE: every tensor stride is a constexpr (fixed per model and cache
+    # layout). As runtime ints, jax-triton gives them no divisibility-by-16
+    # specialisation (torch's launcher does), so the two frameworks compiled
+    # different code: JAX's lost the 16-byte vector loads of the cache (seen
+    # 1.2-1.5x slower on the H200) and the two disagreed in the last bit with
+    # alibi (different FMA contraction). Constexprs make both compile the same
+    # kernel. Likewise a cache stride such as x = 8 must be known to keep the
+    # 16-byte alignment of each x-vector.
+    stride_q_t: tl.constexpr, stride_q_h: tl.constexpr, stride_q_d: tl.constexpr,
+    stride_k_t: tl.constexpr, stride_k_h: tl.constexpr, stride_k_d: tl.constexpr,
+    stride_v_t: tl.constexpr, stride_v_h: tl.constexpr, stride_v_d: tl.constexpr,
+    stride_o_t: tl.constexpr, stride_o_h: tl.constexpr, stride_o_d: tl.constexpr,
+    stride_kc_b: tl.constexpr, stride_kc_h: tl.constexpr, stride_kc_dx: tl.constexpr,
+    KC_STRIDE_T: tl.constexpr, KC_STRIDE_X: tl.constexpr,
+    stride_vc_b: tl.constexpr, stride_vc_h: tl.constexpr, stride_vc_d: tl.constexpr,
+    VC_STRIDE_T: tl.constexpr,
 ):
     # heaviest row tiles (the last ones: longest causal range) start first
     i_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    i_h = tl.program_id(1)
+    i_hp = tl.program_id(1)       # PACK query heads i_hp * PACK ... that share one kv head
     i_b = tl.program_id(2)
-    i_kvh = i_h // GROUP
+    i_kvh = (i_hp * PACK) // GROUP
+    TOKENS: tl.constexpr = BLOCK_M // PACK  # query tokens per program
 
     q_start = tl.load(b_start_loc_ptr + i_b).to(tl.int32)
     q_len = tl.load(b_start_loc_ptr + i_b + 1).to(tl.int32) - q_start
     ctx_len = tl.load(b_seq_len_ptr + i_b).to(tl.int32) - q_len
-    m0 = i_m * BLOCK_M
+    m0 = i_m * TOKENS                # first query token of this program
     run = m0 < q_len
     if SKIP_DECODE:
         run = run & (q_len != 1)
@@ -190,20 +240,28 @@ def _prefix_prefill_kernel(
         DOT_TYPE: tl.constexpr = q_ptr.dtype.element_ty
         FP8_TYPE: tl.constexpr = tl.float8e5 if FP8_E5M2 else tl.float8e4nv
         EVEN_D: tl.constexpr = BLOCK_D == HEAD_D
-        o_m = m0 + tl.arange(0, BLOCK_M)           # [BLOCK_M] query row in the sequence
+        window = WINDOW
+        # NOTE: GQA packing: the PACK query heads of one kv head are rows of
+        # the same tile (row = token * PACK + head), so each K/V tile loaded
+        # from the paged cache (block ids, gathers, address math) serves
+        # PACK times more FLOPs.
+        o_r = tl.arange(0, BLOCK_M)
+        o_m = m0 + o_r // PACK                      # [BLOCK_M] query token in the sequence
+        o_h = i_hp * PACK + o_r % PACK              # [BLOCK_M] query head
         o_d = tl.arange(0, BLOCK_D)
         m_m = o_m < q_len
         m_d = o_d < HEAD_D
         p_pos = ctx_len + o_m                       # absolute query positions
         rows = (q_start + o_m).to(tl.int64)
-        p_q = q_ptr + rows[:, None] * stride_q_t + i_h * stride_q_h + o_d[None, :] * stride_q_d
+        p_q = (q_ptr + rows[:, None] * stride_q_t + o_h[:, None] * stride_q_h
+               + o_d[None, :] * stride_q_d)
         b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
 
         # base-2 softmax: exp(x) = exp2(x * log2(e))
         qk_scale2 = QK_SCALE2
         alibi2 = 0.0
         if HAS_ALIBI:
-            alibi2 = tl.load(alibi_ptr + i_h).to(tl.float32) * LOG2E
+            alibi2 = tl.load(alibi_ptr + o_h).to(tl.float32) * LOG2E  # [BLOCK_M]
         v_scale = 1.0
         ctx_scale2 = qk_scale2
         if KV_FP8:
@@ -213,12 +271,12 @@ def _prefix_prefill_kernel(
         l_i = tl.full([BLOCK_M], 0.0, tl.float32)
         if HAS_SINKS:
             # the sink joins the denominator only: start the running state at it
-            sink2 = tl.load(sinks_ptr + i_h).to(tl.float32) * LOG2E
+            sink2 = tl.load(sinks_ptr + o_h).to(tl.float32) * LOG2E  # [BLOCK_M]
             m_i = tl.maximum(m_i, sink2)
             l_i = l_i + tl.math.exp2(sink2 - m_i)
         acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
 
-        r_last = tl.minimum(m0 + BLOCK_M, q_len) - 1  # last live row of this tile
+        r_last = tl.minimum(m0 + TOKENS, q_len) - 1  # last live token of this tile
         # ---- context keys (paged cache), positions 0 .. ctx_len - 1
         lo_key = 0
         full_lo = 0
@@ -241,7 +299,8 @@ def _prefix_prefill_kernel(
                 kc_base, vc_base, 0, 0, 0, 0,
                 b_loc_row, stride_bl_n, stride_kc_b, stride_kc_dx, stride_vc_b, stride_vc_d,
                 True, masked == 0, HAS_WINDOW, HAS_ALIBI, EVEN_D, HEAD_D, BLOCK_N, CACHE_BLOCK,
-                X, ID_RUN, KV_FP8, FP8_TYPE, DOT_TYPE, KC_STRIDE_T, KC_STRIDE_X, VC_STRIDE_T)
+                X, ID_RUN, KV_FP8, FP8_TYPE, DOT_TYPE, KC_STRIDE_T, KC_STRIDE_X, VC_STRIDE_T,
+                PREFETCH_IDS)
 
         # ---- new keys (k, v), positions ctx_len .. ctx_len + q_len - 1; causal
         lo_key = 0
@@ -261,13 +320,16 @@ def _prefix_prefill_kernel(
                 k_base, v_base, stride_k_t, stride_k_d, stride_v_t, stride_v_d,
                 b_loc_row, 0, 0, 0, 0, 0,
                 False, masked == 0, HAS_WINDOW, HAS_ALIBI, EVEN_D, HEAD_D, BLOCK_N, CACHE_BLOCK,
-                X, ID_RUN, KV_FP8, FP8_TYPE, DOT_TYPE, KC_STRIDE_T, KC_STRIDE_X, VC_STRIDE_T)
+                X, ID_RUN, KV_FP8, FP8_TYPE, DOT_TYPE, KC_STRIDE_T, KC_STRIDE_X, VC_STRIDE_T,
+                PREFETCH_IDS)
 
-        # every live row sees at least itself, so l_i > 0 there
-        b_o = acc / l_i[:, None]
+        # every live row sees at least itself, so l_i > 0 there; rows past the
+        # sequence may see nothing (0 / 0): keep them quiet, they are never stored
+        b_o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         if OUT_FP8:
-            b_o = b_o / tl.load(out_scale_ptr).to(tl.float32)
+            b_o = tl.math.div_rn(b_o, tl.load(out_scale_ptr).to(tl.float32))
             b_o = tl.clamp(b_o, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
             b_o = round_to_fp8_grid(b_o, FP8_MANT_BITS, FP8_MIN_NORMAL, FP8_SUBNORMAL_MAGIC)
-        p_o = out_ptr + rows[:, None] * stride_o_t + i_h * stride_o_h + o_d[None, :] * stride_o_d
+        p_o = (out_ptr + rows[:, None] * stride_o_t + o_h[:, None] * stride_o_h
+               + o_d[None, :] * stride_o_d)
         tl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])

@@ -128,6 +128,57 @@ def _blocksparse_cases():
 EXTRA_CASES.append(_blocksparse_cases)
 
 
+# ------------------------------------------------------------------ prefix prefill
+def prefix_prefill_case(q_lens, ctx_lens, hq, hkv, d, dtype, block=16, x=8):
+    import jax
+    import jax.numpy as jnp
+    import adapters.jax as aj
+    import adapters.torch as at
+    from core_kernels.prefix_prefill.reference import context_attention_reference
+    tdt = getattr(torch, dtype)
+    b = len(q_lens)
+    total = sum(q_lens)
+    nblk = [-(-c // block) for c in ctx_lens]
+    max_blocks = max(max(nblk), 1)
+    num_blocks = sum(nblk) + 4
+    perm = RNG.permutation(num_blocks)[: b * max_blocks].reshape(b, max_blocks)  # shuffled block table
+    q = torch.randn(total, hq, d, dtype=tdt, device=DEVICE)
+    k = torch.randn(total, hkv, d, dtype=tdt, device=DEVICE)
+    v = torch.randn(total, hkv, d, dtype=tdt, device=DEVICE)
+    k_cache = torch.randn(num_blocks, hkv, d // x, block, x, dtype=tdt, device=DEVICE)
+    v_cache = torch.randn(num_blocks, hkv, d, block, dtype=tdt, device=DEVICE)
+    b_loc = torch.tensor(perm, dtype=torch.int32, device=DEVICE)
+    b_start = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32, device=DEVICE)
+    b_seq = torch.tensor(np.add(q_lens, ctx_lens), dtype=torch.int32, device=DEVICE)
+    o = torch.empty_like(q)
+    max_q = max(q_lens)
+
+    def run_torch():
+        at.context_attention_fwd(q, k, v, o, "auto", k_cache, v_cache, b_loc, b_start, b_seq,
+                                 None, max_q)
+        return o
+
+    jx = [jnp.asarray(_np(t).astype(np.float32)).astype(dtype) for t in (q, k, v, k_cache, v_cache)]
+    ji = [jnp.asarray(t.cpu().numpy()) for t in (b_loc, b_start, b_seq)]
+    f = jax.jit(lambda *a: aj.context_attention_fwd(*a, max_input_len=max_q))
+    run_jax = lambda: f(*jx, *ji)  # noqa: E731
+    ref = context_attention_reference(_np(q), _np(k), _np(v), _np(k_cache), _np(v_cache),
+                                      perm, b_start.cpu().numpy(), b_seq.cpu().numpy())
+    return run_torch, run_jax, ref
+
+
+def _prefix_prefill_cases():
+    if GPU:
+        yield ("prefix_prefill", "B4 q512 ctx1024 Llama-8B bf16",
+               lambda: prefix_prefill_case([512] * 4, [1024] * 4, 32, 8, 128, "bfloat16"))
+    else:
+        yield ("prefix_prefill", "B3 q(16,1,9) ctx(40,0,17) fp32",
+               lambda: prefix_prefill_case([16, 1, 9], [40, 0, 17], 4, 2, 32, "float32"))
+
+
+EXTRA_CASES.append(_prefix_prefill_cases)
+
+
 def main():
     reps = 20 if GPU else 1
     print(f"device: {torch.cuda.get_device_name() if GPU else 'CPU (Triton interpreter)'}")

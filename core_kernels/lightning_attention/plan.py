@@ -12,26 +12,42 @@ from .kernels import (_lightning_decode_kernel, _lightning_prefill_kernel,
 MAX_HEAD_SIZE = 256
 DOT_PRECISIONS = ("tf32", "tf32x3", "ieee")
 # NOTE: fp32 (and fp16) inputs multiply in tf32 on the GPU (Triton's default).
-# The op is memory-bound only if the four dots per chunk run on the tensor
-# cores: ieee fp32 runs them on the CUDA cores (~67 TFLOP/s, about 3x the byte
-# floor's time at H=64, D=E=128) and tf32x3 costs 3x the MMAs. tf32 rounds each
-# operand to 10 mantissa bits (~5e-4 relative per product); the state itself
-# is always accumulated in fp32, so the error does not grow with N (measured
-# ~1e-3 of the output's RMS at N=4096 on the H200). The kernel this op is
-# modelled on also multiplies in tf32. Pass dot_precision="ieee" to the
-# planner for exact-fp32 products. The interpreter (CPU) is always exact fp32.
+# Measured on the H200 (B=1, H=64, N=4096, D=E=128, fp32): tf32 550-606 us,
+# tf32x3 ~4.0 ms, ieee ~21.5 ms (fp32 on the CUDA cores), so only tf32 can get
+# near the byte floor; the kernel this op is modelled on also multiplies in
+# tf32. The state is always accumulated in fp32. Caveat (open): the GPU test at
+# H=64, D=128, N=1500 measured a max error of 2.7-5.4% of the output RMS in
+# fp32/fp16 (small shapes on the GPU stay within 0.5%); not yet explained.
+# Pass dot_precision="ieee" to the planner for exact-fp32 products. The
+# interpreter (CPU) is always exact fp32.
 DEFAULT_DOT_PRECISION = "tf32"
-# NOTE: one program per (b, h, 64-wide E-tile) keeps a [D, 64] fp32 state in
-# registers (64 regs/thread at 4 warps for D=128); 64-token chunks feed the MMAs
-# with M=N=64 tiles. B=1, H=64 gives 128 programs, ~one per SM of the H200.
-BLOCK_T = 64
-BLOCK_E = 64
+# NOTE: one program per (b, h, E-tile) keeps a [D, BLOCK_E] fp32 state in
+# registers. Chunk length / E-tile / warps / stages from ptxas' resource report
+# (sm_90, compiled off-GPU) and the H200 sweep in
+# benchmarks/bench_lightning_attention.py (B=1, H=64, N=4096, D=E=128):
+# fp32 with 64-token chunks spills 400+ bytes/thread (tf32 MMAs cannot read k
+# transposed from shared memory, so k^T goes through registers) and ran
+# 623-734 us; 32-token chunks, E-tile 64, 8 warps, 3 stages spill nothing:
+# 575 us (best of 11). bf16: 64-token chunks, E-tile 32 (256 programs), 4
+# warps, 2 stages: 166 us (best of 9; E-tile 64 / 8 warps / 2 stages: 219 us).
+BLOCK_T = {"bfloat16": 64, "float16": 32, "float32": 32}
+BLOCK_E = {"bfloat16": 32, "float16": 64, "float32": 64}
+NUM_WARPS = {"bfloat16": 4, "float16": 8, "float32": 8}
+NUM_STAGES = {"bfloat16": 2, "float16": 3, "float32": 3}
 # Below this many (b, h, E-tile) programs the sequence is cut into segments
 # so that about SEGMENT_TARGET programs run: that costs one more read of k and v
 # (the segment-state pass), worth it only when most SMs would otherwise idle.
 MIN_PROGRAMS = 128
 SEGMENT_TARGET = 256
 MIN_SEGMENT_CHUNKS = 4
+
+
+def _align(*values):
+    """The largest power of two <= 16 dividing every value (0 divides nothing off)."""
+    for a in (16, 8, 4, 2):
+        if all(int(x) % a == 0 for x in values):
+            return a
+    return 1
 
 
 def _check_decay(name, info, h):
@@ -57,7 +73,8 @@ def plan_lightning_attention(
     q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, ed: ArrayInfo, kv_history: ArrayInfo | None = None,
     *, block_size: int = 256, output_final_state_only: bool = False,
     block_t: int | None = None, block_e: int | None = None, num_segments: int | None = None,
-    num_warps: int = 4, num_stages: int = 2, dot_precision: str = DEFAULT_DOT_PRECISION,
+    num_warps: int | None = None, num_stages: int | None = None,
+    dot_precision: str = DEFAULT_DOT_PRECISION,
 ) -> Plan:
     """Plan lightning-attention prefill.
 
@@ -103,8 +120,14 @@ def plan_lightning_attention(
         return Plan(buffers, (), results)
 
     block_d = max(16, next_pow2(d))
-    block_e = block_e or min(BLOCK_E if block_d <= 128 else 32, max(16, next_pow2(e)))
-    block_t = block_t or (BLOCK_T if block_d <= 128 else 32)
+    block_e = block_e or min(BLOCK_E[q.dtype] if block_d <= 128 else 32, max(16, next_pow2(e)))
+    # NOTE: bf16 MMA operands with a masked (non-power-of-two) D or E tile gave wrong
+    # results and once an illegal address on the H200 (torch launch, D=48/E=80,
+    # D=96/E=64; cause not found). Those shapes use fp32 (tf32) operands instead,
+    # the path every fp32/fp16 input takes and that passed there.
+    num_warps = num_warps or NUM_WARPS[q.dtype]
+    block_t = block_t or (BLOCK_T[q.dtype] if block_d <= 128 else 32)
+    num_stages = num_stages or NUM_STAGES[q.dtype]
     if output_final_state_only:  # block_size is irrelevant: one chunk per "block"
         block_len, chunks = block_t, 1
     else:
@@ -128,37 +151,40 @@ def plan_lightning_attention(
     hist = "kv_history" if has_hist else "ed"  # dummy pointer when absent
     hist_strides = kv_history.strides[:3] if has_hist else (0, 0, 0)
     decay_stride = Scalar(ed.strides[0])
-    common = dict(BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_E=block_e, CHUNKS=chunks,
-                  DOT_BF16=q.dtype == "bfloat16", DOT_PRECISION=dot_precision)
+    out_strides = ArrayInfo.contiguous((b, h, n, e), q.dtype).strides[:3]
+    kv_strides = ArrayInfo.contiguous(kv_shape, "float32").strides
+    kv_strides = kv_strides[:2] + (0, kv_strides[2]) if output_final_state_only else kv_strides[:4]
+    seg_strides = (0, 0, 0, 0)
+    if num_segments > 1:
+        seg_strides = ArrayInfo.contiguous((b, h, num_segments, d, e), "float32").strides[:4]
+    strides = q.strides[:3] + k.strides[:3] + v.strides[:3] + out_strides + hist_strides
+    align = _align(*strides, *seg_strides, *kv_strides)
+    a = lambda xs: tuple(Scalar(x // align) for x in xs)  # noqa: E731
+    common = dict(BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_E=block_e, CHUNKS=chunks, ALIGN=align,
+                  EVEN_D=d == block_d, EVEN_E=e % block_e == 0,
+                  DOT_BF16=q.dtype == "bfloat16" and d == block_d and e % block_e == 0,
+                  DOT_PRECISION=dot_precision)
     geometry = (Scalar(h), Scalar(n), Scalar(d), Scalar(e), Scalar(block_len), Scalar(num_blocks),
                 Scalar(num_chunks), Scalar(blocks_per_seg), decay_stride)
     launches = []
     seg = "q"  # dummy pointer when there are no segments
-    seg_strides = (0, 0, 0, 0)
     if num_segments > 1:
         seg = "seg_state"
         buffers[seg] = Buffer((b, h, num_segments, d, e), "float32")
-        seg_strides = ArrayInfo.contiguous((b, h, num_segments, d, e), "float32").strides[:4]
         launches.append(Launch(
             _lightning_segment_state_kernel, (n_e, num_segments - 1, b * h),
-            ("k", "v", "ed", *geometry, *(Scalar(x) for x in k.strides[:3] + v.strides[:3]),
-             *(Scalar(x) for x in seg_strides)),
-            (seg,), common, num_warps=num_warps, num_stages=num_stages))
+            ("k", "v", "ed", *geometry, *a(k.strides[:3] + v.strides[:3]), *a(seg_strides)),
+            (seg,), {k_: v_ for k_, v_ in common.items()},
+            num_warps=num_warps, num_stages=num_stages))
         launches.append(Launch(
             _lightning_segment_scan_kernel, (n_e, b * h),
             (seg, "ed", hist, Scalar(h), Scalar(d), Scalar(e), Scalar(num_segments),
-             Scalar(blocks_per_seg * block_len), decay_stride,
-             *(Scalar(x) for x in hist_strides), *(Scalar(x) for x in seg_strides)),
-            (seg,), dict(BLOCK_D=block_d, BLOCK_E=block_e, HAS_HISTORY=has_hist), num_warps=4,
-            num_stages=1))
-    out_strides = ArrayInfo.contiguous((b, h, n, e), q.dtype).strides[:3]
-    kv_strides = ArrayInfo.contiguous(kv_shape, "float32").strides
-    kv_strides = kv_strides[:2] + (0, kv_strides[2]) if output_final_state_only else kv_strides[:4]
+             Scalar(blocks_per_seg * block_len), decay_stride, *a(hist_strides), *a(seg_strides)),
+            (seg,), dict(BLOCK_D=block_d, BLOCK_E=block_e, HAS_HISTORY=has_hist, ALIGN=align),
+            num_warps=4, num_stages=1))
     launches.append(Launch(
         _lightning_prefill_kernel, (n_e, num_segments, b * h),
-        ("q", "k", "v", "ed", hist, seg, *geometry,
-         *(Scalar(x) for x in q.strides[:3] + k.strides[:3] + v.strides[:3] + out_strides
-           + hist_strides + seg_strides + kv_strides)),
+        ("q", "k", "v", "ed", hist, seg, *geometry, *a(strides), *a(seg_strides), *a(kv_strides)),
         ("output", "kv"),
         dict(common, HAS_HISTORY=has_hist, FROM_SEGMENTS=num_segments > 1,
              STORE_BLOCK_STATES=not output_final_state_only),
@@ -169,7 +195,7 @@ def plan_lightning_attention(
 @memoize
 def plan_linear_decode(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, kv_caches: ArrayInfo,
                        slope_rate: ArrayInfo, slot_idx: ArrayInfo, *, block_e: int | None = None,
-                       num_warps: int = 4) -> Plan:
+                       num_warps: int | None = None) -> Plan:
     """Plan one lightning-attention decode step.
 
     Arrays: q, k [B, H, 1, D], v [B, H, 1, E] (one float dtype, innermost dim
@@ -206,19 +232,27 @@ def plan_linear_decode(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, kv_caches: Arra
     if b == 0 or h == 0:
         return Plan(buffers, (), results)
     block_d = max(16, next_pow2(d))
-    # NOTE: default tile chosen by benchmarks/bench_lightning_attention.py's sweep.
     block_e = block_e or min(DECODE_BLOCK_E, max(16, next_pow2(e)))
+    num_warps = num_warps or DECODE_NUM_WARPS
+    strides = q.strides[:2] + k.strides[:2] + v.strides[:2] + kv_caches.strides[:3]
+    align = _align(*strides, h * e, e)
     launch = Launch(
         _lightning_decode_kernel, (cdiv(e, block_e), b * h),
         ("q", "k", "v", "kv_caches", "slope_rate", "slot_idx",
          Scalar(h), Scalar(kv_caches.shape[0]), Scalar(d), Scalar(e), Scalar(slope_rate.strides[0]),
-         *(Scalar(x) for x in q.strides[:2] + k.strides[:2] + v.strides[:2] + kv_caches.strides)),
-        ("output", "kv_caches"), dict(BLOCK_D=block_d, BLOCK_E=block_e),
+         *(Scalar(x // align) for x in strides), Scalar(kv_caches.strides[3]),
+         Scalar(h * e // align), Scalar(e // align)),
+        ("output", "kv_caches"),
+        dict(BLOCK_D=block_d, BLOCK_E=block_e, EVEN_D=d == block_d, EVEN_E=e % block_e == 0,
+             ALIGN=align),
         num_warps=num_warps, num_stages=1)
     return Plan(buffers, (launch,), results)
 
 
+# NOTE: H200 sweep, B=64, H=64, D=128: E-tile 64 at 2/4/8 warps 3.84/3.83/3.89
+# TB/s; E-tile 32: 3.62-3.67; E-tile 128: 0.62 (2 warps, spills) to 3.74.
 DECODE_BLOCK_E = 64
+DECODE_NUM_WARPS = 8
 
 
 def check_slot_ids(slot_idx: np.ndarray, num_slots: int) -> None:

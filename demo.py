@@ -179,6 +179,40 @@ def _prefix_prefill_cases():
 EXTRA_CASES.append(_prefix_prefill_cases)
 
 
+# ------------------------------------------------------------------ lightning attention
+def lightning_case(b, h, n, d, dtype, block_size=256):
+    import jax
+    import jax.numpy as jnp
+    import adapters.jax as aj
+    import adapters.torch as at
+    from core_kernels.lightning_attention.reference import lightning_attention_reference
+    tdt = getattr(torch, dtype)
+    q, k, v = (torch.randn(b, h, n, d, dtype=tdt, device=DEVICE) for _ in range(3))
+    ed = torch.tensor(RNG.uniform(0.01, 1.0, h), dtype=torch.float32, device=DEVICE)
+    hist = torch.randn(b, h, d, d, device=DEVICE)
+    run_torch = lambda: at.lightning_attention(q, k, v, ed, block_size, hist)  # noqa: E731
+    jx = [jnp.asarray(_np(t).astype(np.float32)).astype(dtype) for t in (q, k, v)]
+    jed, jhist = jnp.asarray(ed.cpu().numpy()), jnp.asarray(hist.cpu().numpy())
+    f = jax.jit(lambda q, k, v, ed, hh: aj.lightning_attention(q, k, v, ed, block_size=block_size,
+                                                               kv_history=hh))
+    run_jax = lambda: f(*jx, jed, jhist)  # noqa: E731
+    ref = lightning_attention_reference(_np(q), _np(k), _np(v), ed.cpu().numpy(), block_size,
+                                        hist.cpu().numpy())
+    return run_torch, run_jax, ref
+
+
+def _lightning_cases():
+    if GPU:
+        yield ("lightning_attention", "prefill B1 H64 N1024 D128 bf16",
+               lambda: lightning_case(1, 64, 1024, 128, "bfloat16"))
+    else:
+        yield ("lightning_attention", "prefill B1 H2 N100 D32 fp32",
+               lambda: lightning_case(1, 2, 100, 32, "float32", block_size=32))
+
+
+EXTRA_CASES.append(_lightning_cases)
+
+
 def main():
     reps = 20 if GPU else 1
     print(f"device: {torch.cuda.get_device_name() if GPU else 'CPU (Triton interpreter)'}")

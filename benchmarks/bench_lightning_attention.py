@@ -51,37 +51,11 @@ def prefill_sweep(copy_bw):
     from adapters.torch._executor import info, run_plan
     from core_kernels.lightning_attention import plan_lightning_attention
     rows = []
-    variants = {
-        "float32": [dict(block_t=32, block_e=64, num_warps=8, num_stages=3),
-                    dict(block_t=32, block_e=64, num_warps=4, num_stages=3),
-                    dict(block_t=32, block_e=64, num_warps=8, num_stages=2),
-                    dict(block_t=32, block_e=32, num_warps=4, num_stages=3),
-                    dict(block_t=32, block_e=32, num_warps=8, num_stages=3),
-                    dict(block_t=64, block_e=64, num_warps=8, num_stages=2),
-                    dict(block_t=64, block_e=64, num_warps=8, num_stages=1),
-                    dict(block_t=64, block_e=32, num_warps=8, num_stages=3),
-                    dict(block_t=32, block_e=64, num_warps=8, num_stages=4),
-                    dict(block_t=32, block_e=32, num_warps=4, num_stages=2),
-                    dict(block_t=32, block_e=64, num_warps=8, num_stages=3, num_segments=2),
-                    dict(block_t=32, block_e=64, num_warps=8, num_stages=3, dot_precision="ieee"),
-                    dict(block_t=32, block_e=64, num_warps=8, num_stages=3, dot_precision="tf32x3")],
-        "bfloat16": [dict(block_t=64, block_e=64, num_warps=8, num_stages=2),
-                     dict(block_t=64, block_e=64, num_warps=8, num_stages=3),
-                     dict(block_t=64, block_e=64, num_warps=4, num_stages=2),
-                     dict(block_t=64, block_e=32, num_warps=4, num_stages=2),
-                     dict(block_t=64, block_e=32, num_warps=8, num_stages=3),
-                     dict(block_t=32, block_e=64, num_warps=8, num_stages=3),
-                     dict(block_t=128, block_e=64, num_warps=8, num_stages=2),
-                     dict(block_t=64, block_e=128, num_warps=8, num_stages=2),
-                     dict(block_t=64, block_e=32, num_warps=4, num_stages=3),
-                     dict(block_t=128, block_e=32, num_warps=4, num_stages=2),
-                     dict(block_t=128, block_e=32, num_warps=8, num_stages=2),
-                     dict(block_t=64, block_e=32, num_warps=8, num_stages=2),
-                     dict(block_t=64, block_e=32, num_warps=4, num_stages=2, num_segments=2)],
-    }
-    shapes = [((1, 64, 4096, 128, 128), variants),
-              ((1, 8, 65536, 128, 128), {dt: [dict(num_segments=s) for s in (8, 16, 32, 64)]
-                                          for dt in ("float32", "bfloat16")})]
+    variants = {"float32": [{}, dict(num_segments=2)],
+                "bfloat16": [{}, dict(num_segments=2), dict(block_e=64, num_warps=4, num_stages=2)]}
+    long_seq = {"float32": [{}] + [dict(num_segments=s) for s in (32, 64, 128)],
+                "bfloat16": [{}] + [dict(num_segments=s) for s in (16, 32, 64)]}
+    shapes = [((1, 64, 4096, 128, 128), variants), ((1, 8, 65536, 128, 128), long_seq)]
     for (b, h, n, d, e), var in shapes:
         for dtype, configs in var.items():
             q, k, v, ed = _prefill_inputs(b, h, n, d, e, dtype)[0]
@@ -209,17 +183,16 @@ def decode_sweep(copy_bw):
     b, h, d = 64, 64, 128
     q, k, v, cache, slope, slots = _decode_inputs(b, h, d, "bfloat16", b)
     nbytes = 2 * b * h * d * d * 4
-    for block_e in (32, 64, 128):
-        for warps in (2, 4, 8):
-            name = f"sweep-decode-B{b}-bf16-be{block_e}-w{warps}"
-            try:
-                plan = plan_linear_decode(info(q), info(k), info(v), info(cache), info(slope), info(slots),
-                                          block_e=block_e, num_warps=warps)
-                tensors = dict(q=q, k=k, v=v, kv_caches=cache, slope_rate=slope, slot_idx=slots)
-                t = timing.kernel_time_torch(lambda: run_plan(plan, tensors), rep_ms=100)
-                rows.append(_row(name, t, nbytes, copy_bw))
-            except Exception as exc:
-                rows.append(dict(name=name, error=repr(exc)[:120]))
+    for block_e, warps in ((64, 2), (64, 4), (64, 8), (32, 4), (64, 4), (64, 2)):
+        name = f"sweep-decode-B{b}-bf16-be{block_e}-w{warps}"
+        try:
+            plan = plan_linear_decode(info(q), info(k), info(v), info(cache), info(slope), info(slots),
+                                      block_e=block_e, num_warps=warps)
+            tensors = dict(q=q, k=k, v=v, kv_caches=cache, slope_rate=slope, slot_idx=slots)
+            t = timing.kernel_time_torch(lambda: run_plan(plan, tensors), rep_ms=100)
+            rows.append(_row(name, t, nbytes, copy_bw))
+        except Exception as exc:
+            rows.append(dict(name=name, error=repr(exc)[:120]))
     return rows
 
 

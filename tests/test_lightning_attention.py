@@ -142,13 +142,16 @@ def _run_poisoned(executor, plan, arrays):
 @pytest.mark.parametrize("executor", ["torch"] if GPU else ["numpy", "torch"])
 @pytest.mark.parametrize("num_segments", [1, 3, 4])
 @pytest.mark.parametrize("fso", [False, True])
-def test_every_element_written_and_segments(executor, num_segments, fso):
-    """Poisoned outputs, with the sequence cut into 1, 3 or 4 parallel segments."""
+@pytest.mark.parametrize("block_e", [None, 16])
+def test_every_element_written_and_segments(executor, num_segments, fso, block_e):
+    """Poisoned outputs, with the sequence cut into 1, 3 or 4 chained segments,
+    E whole or split into three tiles."""
     q, k, v, ed, kvh = make_prefill(1, 2, 230, 24, 48, "float32")
     plan = plan_lightning_attention(ci(q), ci(k), ci(v), ci(ed), ci(kvh), block_size=20,
                                     output_final_state_only=fso, num_segments=num_segments,
-                                    block_t=16)
-    assert plan.launches[-1].grid[1] == num_segments
+                                    block_t=16, block_e=block_e)
+    n_e = 1 if block_e is None else 3
+    assert plan.launches[-1].grid[0] == num_segments * 2 * n_e
     res = _run_poisoned(executor, plan, dict(q=q, k=k, v=v, ed=ed, kv_history=kvh))
     ref_out, ref_kv = reference(q, k, v, ed, kvh, 20, fso)
     check(res["output"], ref_out, "float32", "output")
@@ -158,10 +161,11 @@ def test_every_element_written_and_segments(executor, num_segments, fso):
 def test_segments_chosen_when_heads_are_few():
     q, k, v, ed, _ = make_prefill(1, 1, 4096, 128, 128, "float32")
     plan = plan_lightning_attention(ci(q), ci(k), ci(v), ci(ed))
-    assert len(plan.launches) == 3 and plan.launches[-1].grid[1] > 1
-    big = ArrayInfo.contiguous((1, 64, 4096, 128), "float32")
+    assert len(plan.launches) == 1 and plan.launches[0].grid[0] > 1
+    assert plan.launches[0].constexprs["SEGMENTED"]
+    big = ArrayInfo.contiguous((16, 64, 4096, 128), "float32")
     plan = plan_lightning_attention(big, big, big, ArrayInfo.contiguous((64,), "float32"))
-    assert len(plan.launches) == 1
+    assert plan.launches[0].grid[0] == 16 * 64 * 2 and not plan.launches[0].constexprs["SEGMENTED"]
 
 
 @pytest.mark.parametrize("adapter", ADAPTERS)

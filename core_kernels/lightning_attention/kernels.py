@@ -16,12 +16,10 @@ update is applied after one decay step of everything before it).
 
 A program owns one (b, h, E-tile) and a run of consecutive chunks (a
 "segment"); its state tile [BLOCK_D, BLOCK_E] stays in registers, so q, k, v
-are read and o written exactly once per E-tile (sibling E-tiles of one head
-run side by side and share q, k through L2). When B*H alone cannot fill the
-GPU, the sequence is cut into segments: `_lightning_segment_state_kernel`
-computes each segment's own state contribution, `_lightning_segment_scan_kernel`
-turns those into each segment's starting state, and the main kernel then runs
-all segments in parallel.
+are read and o written once per E-tile (the planner makes the E-tile the
+whole of E where the state fits in registers). When B*H alone cannot fill the
+GPU, the sequence is cut into segments that run in parallel and hand their
+end states on through memory (a chained scan, see _lightning_prefill_kernel).
 
 Chunks are laid out per state block: block `blk` (block_len tokens, the
 caller's block_size) holds CHUNKS = cdiv(block_len, BLOCK_T) chunks, the last
@@ -93,54 +91,92 @@ def _store_state(ptr, b_s, o_d, o_e, stride_d, m_d, m_e):
 # and the plan passes strides divided by ALIGN (a power of two dividing all of
 # them), multiplied back in the kernel: both frameworks compile the same code
 # and both know the strides' alignment (vectorized loads).
-_PREFILL_INTS = ("num_heads seq_len head_k head_v block_len num_blocks num_chunks blocks_per_seg "
-                 "stride_decay stride_qb stride_qh stride_qt stride_kb stride_kh stride_kt "
-                 "stride_vb stride_vh stride_vt stride_ob stride_oh stride_ot stride_hb stride_hh "
-                 "stride_hd stride_sb stride_sh stride_sp stride_sd stride_kvb stride_kvh "
+_PREFILL_INTS = ("num_heads num_rows seq_len head_k head_v block_len num_blocks num_chunks "
+                 "blocks_per_seg stride_decay stride_qb stride_qh stride_qt stride_kb stride_kh "
+                 "stride_kt stride_vb stride_vh stride_vt stride_ob stride_oh stride_ot stride_hb "
+                 "stride_hh stride_hd stride_pb stride_ph stride_pp stride_pd stride_kvb stride_kvh "
                  "stride_kvi stride_kvd").split()
-_SEGMENT_INTS = ("num_heads seq_len head_k head_v block_len num_blocks num_chunks blocks_per_seg "
-                 "stride_decay stride_kb stride_kh stride_kt stride_vb stride_vh stride_vt "
-                 "stride_sb stride_sh stride_sp stride_sd").split()
-_SCAN_INTS = ("num_heads head_k head_v num_segments seg_tokens stride_decay stride_hb stride_hh "
-              "stride_hd stride_sb stride_sh stride_sp stride_sd").split()
 _DECODE_INTS = ("num_heads num_slots head_k head_v stride_decay stride_qb stride_qh stride_kb "
                 "stride_kh stride_vb stride_vh stride_cs stride_ch stride_cd stride_ce "
                 "stride_ob stride_oh").split()
+
+
+@triton.jit
+def _segment_contribution(k_ptr, v_ptr, base_k, base_v, stride_kt, stride_vt, s, seq_len, block_len,
+                          first_chunk, last_chunk, o_t, o_d, o_e, m_d, m_e,
+                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                          CHUNKS: tl.constexpr, EVEN_D: tl.constexpr, EVEN_E: tl.constexpr,
+                          DOT_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """sum_t lambda^(end-1-t) k_t^T v_t over chunks [first_chunk, last_chunk), from a zero state."""
+    b_l = tl.full([BLOCK_D, BLOCK_E], 0.0, tl.float32)
+    for g in range(first_chunk, last_chunk):
+        t0, n_valid, blk, j = _chunk_span(g, seq_len, block_len, CHUNKS, BLOCK_T)
+        rows_in = tl.minimum(t0 + o_t, seq_len - 1)
+        b_k = _load_tile(k_ptr, base_k, rows_in, stride_kt, o_d, m_d, EVEN_D)
+        b_v = _load_tile(v_ptr, base_v, rows_in, stride_vt, o_e, m_e, EVEN_E)
+        k_decay = tl.where(o_t < n_valid, tl.exp(-s * (n_valid - 1 - o_t).to(tl.float32)), 0.0)
+        b_vd = _operand(b_v.to(tl.float32) * k_decay[:, None], DOT_BF16)
+        b_l = b_l * tl.exp(-s * n_valid.to(tl.float32))
+        b_l = tl.dot(tl.trans(_operand(b_k, DOT_BF16)), b_vd, b_l, input_precision=DOT_PRECISION)
+    return b_l
 
 
 @triton.jit(do_not_specialize=["seq_len", "num_blocks", "num_chunks"],
             do_not_specialize_on_alignment=_PREFILL_INTS)
 def _lightning_prefill_kernel(
     # input pointers
-    q_ptr, k_ptr, v_ptr, decay_ptr, history_ptr, seg_state_ptr,
+    q_ptr, k_ptr, v_ptr, decay_ptr, history_ptr,
     # runtime scalars
-    num_heads, seq_len, head_k, head_v, block_len, num_blocks, num_chunks, blocks_per_seg,
+    num_heads, num_rows, seq_len, head_k, head_v, block_len, num_blocks, num_chunks, blocks_per_seg,
     stride_decay,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
-    stride_hb, stride_hh, stride_hd, stride_sb, stride_sh, stride_sp, stride_sd,
+    stride_hb, stride_hh, stride_hd, stride_pb, stride_ph, stride_pp, stride_pd,
     stride_kvb, stride_kvh, stride_kvi, stride_kvd,
     # output pointers
-    o_ptr, kv_ptr,
+    o_ptr, kv_ptr, pub_ptr, sync_ptr,
     # constexprs
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, CHUNKS: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_E: tl.constexpr, HAS_HISTORY: tl.constexpr, FROM_SEGMENTS: tl.constexpr, STORE_BLOCK_STATES: tl.constexpr,
+    N_E: tl.constexpr, EVEN_D: tl.constexpr, EVEN_E: tl.constexpr, HAS_HISTORY: tl.constexpr,
+    STORE_BLOCK_STATES: tl.constexpr, PUBLISH_IN_KV: tl.constexpr, SEGMENTED: tl.constexpr,
     DOT_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr,
 ):
+    """One program per (segment, b, h, E-tile), segments in launch order.
+
+    A segment is a run of blocks_per_seg state blocks. Its starting state is
+    the previous segment's end state, handed over through memory (a chained
+    scan with decoupled look-back): each program first computes its own
+    segment's contribution L from k and v (phase 1), waits for the previous
+    segment's end state P_prev (published with a flag), publishes its own end
+    state lambda^len P_prev + L, and only then walks its segment computing the
+    outputs from P_prev (phase 2; k and v come back from L2). Programs take
+    tickets from an atomic counter in the order segment-major, so a program
+    only ever waits on one that started before it: no deadlock whatever the
+    scheduling, and in order under the interpreter.
+    The published end states are the returned per-block states when those are
+    requested (PUBLISH_IN_KV), otherwise a scratch buffer.
+    """
     stride_qb, stride_qh, stride_qt = stride_qb * ALIGN, stride_qh * ALIGN, stride_qt * ALIGN
     stride_kb, stride_kh, stride_kt = stride_kb * ALIGN, stride_kh * ALIGN, stride_kt * ALIGN
     stride_vb, stride_vh, stride_vt = stride_vb * ALIGN, stride_vh * ALIGN, stride_vt * ALIGN
     stride_ob, stride_oh, stride_ot = stride_ob * ALIGN, stride_oh * ALIGN, stride_ot * ALIGN
     stride_hb, stride_hh, stride_hd = stride_hb * ALIGN, stride_hh * ALIGN, stride_hd * ALIGN
-    stride_sb, stride_sh = stride_sb * ALIGN, stride_sh * ALIGN
-    stride_sp, stride_sd = stride_sp * ALIGN, stride_sd * ALIGN
+    stride_pb, stride_ph = stride_pb * ALIGN, stride_ph * ALIGN
+    stride_pp, stride_pd = stride_pp * ALIGN, stride_pd * ALIGN
     stride_kvb, stride_kvh = stride_kvb * ALIGN, stride_kvh * ALIGN
     stride_kvi, stride_kvd = stride_kvi * ALIGN, stride_kvd * ALIGN
-    i_e = tl.program_id(0)
-    i_p = tl.program_id(1)
-    i_bh = tl.program_id(2)
+    per_seg = num_rows * num_heads * N_E  # programs per segment
+    if SEGMENTED:
+        ticket = tl.atomic_add(sync_ptr, 1)  # sync[0]: the ticket counter
+    else:
+        ticket = tl.program_id(0)
+    i_p = ticket // per_seg
+    r = ticket % per_seg
+    i_e = r % N_E
+    i_bh = r // N_E
     i_b = (i_bh // num_heads).to(tl.int64)
     i_h = (i_bh % num_heads).to(tl.int64)
+    num_segments = tl.cdiv(num_blocks, blocks_per_seg)
     s = tl.load(decay_ptr + i_h * stride_decay).to(tl.float32)
 
     o_t = tl.arange(0, BLOCK_T)
@@ -150,34 +186,63 @@ def _lightning_prefill_kernel(
     m_d = (o_d < head_k) | EVEN_D
     m_e = (o_e < head_v) | EVEN_E
 
-    # [BLOCK_D, BLOCK_E] starting state of this segment
-    if FROM_SEGMENTS:
-        p_s = seg_state_ptr + i_b * stride_sb + i_h * stride_sh + i_p * stride_sp
-        b_s = _load_state(p_s, o_d, o_e, stride_sd, m_d, m_e)
-    elif HAS_HISTORY:
-        b_s = _load_state(history_ptr + i_b * stride_hb + i_h * stride_hh, o_d, o_e, stride_hd, m_d, m_e)
-    else:
-        b_s = tl.full([BLOCK_D, BLOCK_E], 0.0, tl.float32)
-    b_s = b_s.to(tl.float32)
-
-    # decay factors that do not depend on the chunk: [BLOCK_T] and [BLOCK_T, BLOCK_T]
-    q_decay = tl.exp(-s * (o_t + 1).to(tl.float32))
-    diff = (o_t[:, None] - o_t[None, :]).to(tl.float32)
-    causal_decay = tl.where(o_t[:, None] >= o_t[None, :], tl.exp(-s * diff), 0.0)
-
     base_q = i_b * stride_qb + i_h * stride_qh
     base_k = i_b * stride_kb + i_h * stride_kh
     base_v = i_b * stride_vb + i_h * stride_vh
     base_o = i_b * stride_ob + i_h * stride_oh
     p_kv = kv_ptr + i_b * stride_kvb + i_h * stride_kvh  # scalar: a [D, E] pointer tile
     # kept live across the loop would cost 2 registers per state element
-
+    if PUBLISH_IN_KV:  # segment p's end state: the state before block (p + 1) * blocks_per_seg
+        p_pub = kv_ptr + i_b * stride_pb + i_h * stride_ph + stride_pp
+    else:
+        p_pub = pub_ptr + i_b * stride_pb + i_h * stride_ph
     first_chunk = i_p * blocks_per_seg * CHUNKS
     last_chunk = tl.minimum(first_chunk + blocks_per_seg * CHUNKS, num_chunks)
+
+    # starting state of the sequence
+    if HAS_HISTORY:
+        b_s = _load_state(history_ptr + i_b * stride_hb + i_h * stride_hh, o_d, o_e, stride_hd, m_d, m_e)
+    else:
+        b_s = tl.full([BLOCK_D, BLOCK_E], 0.0, tl.float32)
+    b_s = b_s.to(tl.float32)
+    if SEGMENTED:
+        b_l = tl.full([BLOCK_D, BLOCK_E], 0.0, tl.float32)
+        if i_p < num_segments - 1:  # phase 1: this segment's own contribution
+            b_l = _segment_contribution(k_ptr, v_ptr, base_k, base_v, stride_kt, stride_vt, s, seq_len,
+                                        block_len, first_chunk, last_chunk, o_t, o_d, o_e, m_d, m_e,
+                                        BLOCK_T, BLOCK_D, BLOCK_E, CHUNKS, EVEN_D, EVEN_E, DOT_BF16,
+                                        DOT_PRECISION)
+        if i_p > 0:  # look back: wait for the previous segment's end state
+            p_flag = sync_ptr + 1 + ticket - per_seg
+            ready = tl.atomic_add(p_flag, 0, sem="acquire")
+            while ready == 0:
+                ready = tl.atomic_add(p_flag, 0, sem="acquire")
+            offs = (i_p - 1) * stride_pp + o_d.to(tl.int64)[:, None] * stride_pd + o_e[None, :]
+            b_s = tl.load(p_pub + offs, mask=m_d[:, None] & m_e[None, :], other=0.0,
+                          cache_modifier=".cg")
+        if i_p < num_segments - 1:  # publish this segment's end state, then raise its flag
+            seg_len = (blocks_per_seg * block_len).to(tl.float32)
+            b_end = b_s * tl.exp(-s * seg_len) + b_l
+            offs = i_p * stride_pp + o_d.to(tl.int64)[:, None] * stride_pd + o_e[None, :]
+            tl.store(p_pub + offs, b_end, mask=m_d[:, None] & m_e[None, :])
+            tl.debug_barrier()
+            tl.atomic_xchg(sync_ptr + 1 + ticket, 1, sem="release")
+
+    # decay factors that do not depend on the chunk: [BLOCK_T] and [BLOCK_T, BLOCK_T]
+    q_decay = tl.exp(-s * (o_t + 1).to(tl.float32))
+    diff = (o_t[:, None] - o_t[None, :]).to(tl.float32)
+    causal_decay = tl.where(o_t[:, None] >= o_t[None, :], tl.exp(-s * diff), 0.0)
+
     for g in range(first_chunk, last_chunk):
         t0, n_valid, blk, j = _chunk_span(g, seq_len, block_len, CHUNKS, BLOCK_T)
         if STORE_BLOCK_STATES:
-            if j == 0:  # state before token blk * block_len
+            # state before token blk * block_len; a segment's first one was
+            # published by the previous segment when it lives in kv
+            if PUBLISH_IN_KV:
+                first = (j == 0) & ((g > first_chunk) | (i_p == 0))
+            else:
+                first = j == 0
+            if first:
                 _store_state(p_kv + blk.to(tl.int64) * stride_kvi, b_s, o_d, o_e, stride_kvd,
                              m_d, m_e)
         rows = t0 + o_t
@@ -203,107 +268,13 @@ def _lightning_prefill_kernel(
         p_o = o_ptr + base_o + rows.to(tl.int64)[:, None] * stride_ot + o_e[None, :]
         tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_t[:, None] & m_e[None, :])
 
-    if i_p == tl.num_programs(1) - 1:  # the last segment holds the final state
+    if i_p == num_segments - 1:  # the last segment holds the final state
         if STORE_BLOCK_STATES:
             # i_b * 0: an int64 zero, so the offset cannot overflow int32
             _store_state(p_kv + (i_b * 0 + num_blocks) * stride_kvi, b_s, o_d, o_e, stride_kvd,
                          m_d, m_e)
         else:
             _store_state(p_kv, b_s, o_d, o_e, stride_kvd, m_d, m_e)
-
-
-@triton.jit(do_not_specialize=["seq_len", "num_blocks", "num_chunks"],
-            do_not_specialize_on_alignment=_SEGMENT_INTS)
-def _lightning_segment_state_kernel(
-    # input pointers
-    k_ptr, v_ptr, decay_ptr,
-    # runtime scalars
-    num_heads, seq_len, head_k, head_v, block_len, num_blocks, num_chunks, blocks_per_seg,
-    stride_decay,
-    stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
-    stride_sb, stride_sh, stride_sp, stride_sd,
-    # output pointers
-    seg_state_ptr,
-    # constexprs
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, CHUNKS: tl.constexpr,
-    EVEN_D: tl.constexpr, EVEN_E: tl.constexpr, DOT_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ALIGN: tl.constexpr,
-):
-    """Each segment's own contribution sum_t lambda^(seg_end-1-t) k_t^T v_t (from a zero state)."""
-    stride_kb, stride_kh, stride_kt = stride_kb * ALIGN, stride_kh * ALIGN, stride_kt * ALIGN
-    stride_vb, stride_vh, stride_vt = stride_vb * ALIGN, stride_vh * ALIGN, stride_vt * ALIGN
-    stride_sb, stride_sh = stride_sb * ALIGN, stride_sh * ALIGN
-    stride_sp, stride_sd = stride_sp * ALIGN, stride_sd * ALIGN
-    i_e = tl.program_id(0)
-    i_p = tl.program_id(1)
-    i_bh = tl.program_id(2)
-    i_b = (i_bh // num_heads).to(tl.int64)
-    i_h = (i_bh % num_heads).to(tl.int64)
-    s = tl.load(decay_ptr + i_h * stride_decay).to(tl.float32)
-    o_t = tl.arange(0, BLOCK_T)
-    o_d = tl.arange(0, BLOCK_D)
-    o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    # EVEN_*: all-true masks, folded away so that stores stay vectorized
-    m_d = (o_d < head_k) | EVEN_D
-    m_e = (o_e < head_v) | EVEN_E
-    base_k = i_b * stride_kb + i_h * stride_kh
-    base_v = i_b * stride_vb + i_h * stride_vh
-
-    b_s = tl.full([BLOCK_D, BLOCK_E], 0.0, tl.float32)
-    first_chunk = i_p * blocks_per_seg * CHUNKS
-    last_chunk = tl.minimum(first_chunk + blocks_per_seg * CHUNKS, num_chunks)
-    for g in range(first_chunk, last_chunk):
-        t0, n_valid, blk, j = _chunk_span(g, seq_len, block_len, CHUNKS, BLOCK_T)
-        rows_in = tl.minimum(t0 + o_t, seq_len - 1)
-        m_t = o_t < n_valid
-        b_k = _load_tile(k_ptr, base_k, rows_in, stride_kt, o_d, m_d, EVEN_D)
-        b_v = _load_tile(v_ptr, base_v, rows_in, stride_vt, o_e, m_e, EVEN_E)
-        k_decay = tl.where(m_t, tl.exp(-s * (n_valid - 1 - o_t).to(tl.float32)), 0.0)
-        b_vd = _operand(b_v.to(tl.float32) * k_decay[:, None], DOT_BF16)
-        b_s = b_s * tl.exp(-s * n_valid.to(tl.float32))
-        b_s = tl.dot(tl.trans(_operand(b_k, DOT_BF16)), b_vd, b_s, input_precision=DOT_PRECISION)
-    p_s = seg_state_ptr + i_b * stride_sb + i_h * stride_sh + i_p * stride_sp
-    tl.store(p_s + o_d.to(tl.int64)[:, None] * stride_sd + o_e[None, :], b_s,
-             mask=m_d[:, None] & m_e[None, :])
-
-
-@triton.jit(do_not_specialize_on_alignment=_SCAN_INTS)
-def _lightning_segment_scan_kernel(
-    # input pointers
-    seg_in_ptr, decay_ptr, history_ptr,
-    # runtime scalars
-    num_heads, head_k, head_v, num_segments, seg_tokens, stride_decay,
-    stride_hb, stride_hh, stride_hd, stride_sb, stride_sh, stride_sp, stride_sd,
-    # output pointers
-    seg_state_ptr,
-    # constexprs
-    BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, HAS_HISTORY: tl.constexpr, ALIGN: tl.constexpr,
-):
-    """In place: segment contributions [p] -> starting states [p] (every segment
-    but the last is full, seg_tokens long)."""
-    stride_hb, stride_hh, stride_hd = stride_hb * ALIGN, stride_hh * ALIGN, stride_hd * ALIGN
-    stride_sb, stride_sh = stride_sb * ALIGN, stride_sh * ALIGN
-    stride_sp, stride_sd = stride_sp * ALIGN, stride_sd * ALIGN
-    i_e = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = (i_bh // num_heads).to(tl.int64)
-    i_h = (i_bh % num_heads).to(tl.int64)
-    s = tl.load(decay_ptr + i_h * stride_decay).to(tl.float32)
-    seg_decay = tl.exp(-s * seg_tokens)
-    o_d = tl.arange(0, BLOCK_D)
-    o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    m = (o_d < head_k)[:, None] & (o_e < head_v)[None, :]
-    if HAS_HISTORY:
-        p_h = history_ptr + i_b * stride_hb + i_h * stride_hh
-        b_s = tl.load(p_h + o_d.to(tl.int64)[:, None] * stride_hd + o_e[None, :], mask=m, other=0.0)
-    else:
-        b_s = tl.full([BLOCK_D, BLOCK_E], 0.0, tl.float32)
-    offs = i_b * stride_sb + i_h * stride_sh + o_d.to(tl.int64)[:, None] * stride_sd + o_e[None, :]
-    for p in range(0, num_segments):
-        off_p = offs + p * stride_sp
-        b_local = tl.load(seg_in_ptr + off_p, mask=m & (p < num_segments - 1), other=0.0)
-        tl.store(seg_state_ptr + off_p, b_s, mask=m)
-        b_s = b_s * seg_decay + b_local
 
 
 @triton.jit(do_not_specialize_on_alignment=_DECODE_INTS)
@@ -318,42 +289,43 @@ def _lightning_decode_kernel(
     out_ptr, cache_ptr,
     # constexprs
     BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_D: tl.constexpr, EVEN_E: tl.constexpr,
-    ALIGN: tl.constexpr,
+    ALIGN: tl.constexpr, OFFS_64: tl.constexpr,
 ):
     """One decode step for (row b, head h, E-tile): S = lambda S + k^T v in the
     cache slot, o = q S. Slot -1: output 0, no cache access; a slot outside
-    [-1, num_slots): output NaN, no cache access."""
+    [-1, num_slots): output NaN, no cache access (masked, no branches)."""
     stride_qb, stride_qh, stride_kb, stride_kh = (stride_qb * ALIGN, stride_qh * ALIGN,
                                                   stride_kb * ALIGN, stride_kh * ALIGN)
     stride_vb, stride_vh, stride_ob, stride_oh = (stride_vb * ALIGN, stride_vh * ALIGN,
                                                   stride_ob * ALIGN, stride_oh * ALIGN)
     stride_cs, stride_ch, stride_cd = stride_cs * ALIGN, stride_ch * ALIGN, stride_cd * ALIGN
     i_e = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = (i_bh // num_heads).to(tl.int64)
-    i_h = (i_bh % num_heads).to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
     o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
     # EVEN_*: all-true masks, dropped so that loads and stores stay vectorized
     m_d = (o_d < head_k) | EVEN_D
     m_e = (o_e < head_v) | EVEN_E
-    p_out = out_ptr + i_b * stride_ob + i_h * stride_oh + o_e
-    slot = tl.load(slot_ptr + i_b).to(tl.int64)
-    if slot == -1:
-        tl.store(p_out, tl.full([BLOCK_E], 0.0, tl.float32).to(out_ptr.dtype.element_ty), mask=m_e)
-    elif (slot < -1) | (slot >= num_slots):
-        tl.store(p_out, tl.full([BLOCK_E], float("nan"), tl.float32).to(out_ptr.dtype.element_ty),
-                 mask=m_e)
+    # within one slot's [D, E] matrix: int32 offsets (the plan checks that they
+    # fit), which keeps the per-element address math out of 64-bit registers
+    if OFFS_64:
+        offs = o_d.to(tl.int64)[:, None] * stride_cd + o_e.to(tl.int64)[None, :] * stride_ce
     else:
-        s = tl.load(decay_ptr + i_h * stride_decay).to(tl.float32)
-        b_q = tl.load(q_ptr + i_b * stride_qb + i_h * stride_qh + o_d, mask=m_d, other=0.0).to(tl.float32)
-        b_k = tl.load(k_ptr + i_b * stride_kb + i_h * stride_kh + o_d, mask=m_d, other=0.0).to(tl.float32)
-        b_v = tl.load(v_ptr + i_b * stride_vb + i_h * stride_vh + o_e, mask=m_e, other=0.0).to(tl.float32)
-        offs = (slot * stride_cs + i_h * stride_ch
-                + o_d.to(tl.int64)[:, None] * stride_cd + o_e.to(tl.int64)[None, :] * stride_ce)
-        m = m_d[:, None] & m_e[None, :]
-        b_s = tl.load(cache_in_ptr + offs, mask=m, other=0.0)            # [D, E]
-        b_s = b_s * tl.exp(-s) + b_k[:, None] * b_v[None, :]
-        tl.store(cache_ptr + offs, b_s, mask=m)
-        b_o = tl.reduce(b_q[:, None] * b_s, 0, tl.standard._sum_combine)                          # [E]
-        tl.store(p_out, b_o.to(out_ptr.dtype.element_ty), mask=m_e)
+        offs = o_d[:, None] * stride_cd + o_e[None, :] * stride_ce
+    i_bh = tl.program_id(1)
+    i_b = (i_bh // num_heads).to(tl.int64)
+    i_h = (i_bh % num_heads).to(tl.int64)
+    slot = tl.load(slot_ptr + i_b).to(tl.int64)
+    valid = (slot >= 0) & (slot < num_slots)
+    s = tl.load(decay_ptr + i_h * stride_decay).to(tl.float32)
+    b_q = tl.load(q_ptr + i_b * stride_qb + i_h * stride_qh + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_k = tl.load(k_ptr + i_b * stride_kb + i_h * stride_kh + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_v = tl.load(v_ptr + i_b * stride_vb + i_h * stride_vh + o_e, mask=m_e, other=0.0).to(tl.float32)
+    base = tl.where(valid, slot, 0) * stride_cs + i_h * stride_ch  # int64
+    m = m_d[:, None] & m_e[None, :] & valid
+    b_s = tl.load(cache_in_ptr + base + offs, mask=m, other=0.0)     # [D, E]
+    b_s = b_s * tl.exp(-s) + b_k[:, None] * b_v[None, :]
+    tl.store(cache_ptr + base + offs, b_s, mask=m)
+    b_o = tl.reduce(b_q[:, None] * b_s, 0, tl.standard._sum_combine)                          # [E]
+    b_o = tl.where(valid, b_o, tl.where(slot == -1, 0.0, float("nan")))
+    tl.store(out_ptr + i_b * stride_ob + i_h * stride_oh + o_e, b_o.to(out_ptr.dtype.element_ty),
+             mask=m_e)

@@ -6,8 +6,7 @@ import numpy as np
 from .._plan import (FLOAT_DTYPES, INT_DTYPES, ArrayInfo, Buffer, Launch, Plan, Scalar, cdiv,
                      check_dtype, check_inner_contiguous, check_ndim, check_shape, memoize,
                      next_pow2)
-from .kernels import (_lightning_decode_kernel, _lightning_prefill_kernel,
-                      _lightning_segment_scan_kernel, _lightning_segment_state_kernel)
+from .kernels import _lightning_decode_kernel, _lightning_prefill_kernel
 
 MAX_HEAD_SIZE = 256
 DOT_PRECISIONS = ("tf32", "tf32x3", "ieee")
@@ -23,20 +22,26 @@ DOT_PRECISIONS = ("tf32", "tf32x3", "ieee")
 DEFAULT_DOT_PRECISION = "tf32"
 # NOTE: one program per (b, h, E-tile) keeps a [D, BLOCK_E] fp32 state in
 # registers. Chunk length / E-tile / warps / stages from ptxas' resource report
-# (sm_90, compiled off-GPU) and the H200 sweep in
+# (sm_90, compiled off-GPU: tools/offline_compile.py) and the H200 sweeps in
 # benchmarks/bench_lightning_attention.py (B=1, H=64, N=4096, D=E=128):
 # fp32 with 64-token chunks spills 400+ bytes/thread (tf32 MMAs cannot read k
 # transposed from shared memory, so k^T goes through registers) and ran
 # 623-734 us; 32-token chunks, E-tile 64, 8 warps, 3 stages spill nothing:
 # 575 us (best of 11). bf16: 64-token chunks, E-tile 32 (256 programs), 4
 # warps, 2 stages: 166 us (best of 9; E-tile 64 / 8 warps / 2 stages: 219 us).
+# The whole of E in one program (E-tile 128: no redundant q k^T per E-tile)
+# was slower at every chunk/warp setting tried (fp32 744-953 us, bf16 284-303 us):
+# Triton waits for each wgmma right after issuing it, so a program's four
+# products per chunk run back to back and only co-resident programs overlap.
 BLOCK_T = {"bfloat16": 64, "float16": 32, "float32": 32}
 BLOCK_E = {"bfloat16": 32, "float16": 64, "float32": 64}
 NUM_WARPS = {"bfloat16": 4, "float16": 8, "float32": 8}
 NUM_STAGES = {"bfloat16": 2, "float16": 3, "float32": 3}
-# Below this many (b, h, E-tile) programs the sequence is cut into segments
-# so that about SEGMENT_TARGET programs run: that costs one more read of k and v
-# (the segment-state pass), worth it only when most SMs would otherwise idle.
+# Below MIN_PROGRAMS (b, h, E-tile) programs the sequence is cut into segments
+# (whole state blocks, at least MIN_SEGMENT_CHUNKS chunks) so that about
+# SEGMENT_TARGET programs run. Segments hand their end states on through
+# memory (a chained scan); each reads its k and v twice, the second time
+# mostly from L2.
 MIN_PROGRAMS = 128
 SEGMENT_TARGET = 256
 MIN_SEGMENT_CHUNKS = 4
@@ -146,50 +151,47 @@ def plan_lightning_attention(
             num_segments = min(cdiv(SEGMENT_TARGET, programs), max_segments, num_blocks)
     blocks_per_seg = cdiv(num_blocks, max(1, min(int(num_segments), num_blocks)))
     num_segments = cdiv(num_blocks, blocks_per_seg)
+    segmented = num_segments > 1
+    publish_in_kv = segmented and not output_final_state_only
 
     has_hist = kv_history is not None
     hist = "kv_history" if has_hist else "ed"  # dummy pointer when absent
     hist_strides = kv_history.strides[:3] if has_hist else (0, 0, 0)
-    decay_stride = Scalar(ed.strides[0])
     out_strides = ArrayInfo.contiguous((b, h, n, e), q.dtype).strides[:3]
     kv_strides = ArrayInfo.contiguous(kv_shape, "float32").strides
     kv_strides = kv_strides[:2] + (0, kv_strides[2]) if output_final_state_only else kv_strides[:4]
-    seg_strides = (0, 0, 0, 0)
-    if num_segments > 1:
-        seg_strides = ArrayInfo.contiguous((b, h, num_segments, d, e), "float32").strides[:4]
+    # where segments publish their end states: the returned per-block states
+    # (segment p's end state is the state before its successor's first block)
+    # or a scratch buffer
+    if publish_in_kv:
+        pub_strides = (kv_strides[0], kv_strides[1], blocks_per_seg * kv_strides[2], kv_strides[3])
+        buffers["seg_state"] = Buffer((1,), "float32")  # unused
+    elif segmented:
+        pub_strides = ArrayInfo.contiguous((b, h, num_segments, d, e), "float32").strides[:4]
+        buffers["seg_state"] = Buffer((b, h, num_segments, d, e), "float32")
+    else:
+        pub_strides = (0, 0, 0, 0)
+        buffers["seg_state"] = Buffer((1,), "float32")  # unused
+    # ticket counter, then one ready flag per program
+    buffers["sync"] = Buffer((1 + num_segments * programs,) if segmented else (1,), "int32",
+                             zero_init=segmented)
     strides = q.strides[:3] + k.strides[:3] + v.strides[:3] + out_strides + hist_strides
-    align = _align(*strides, *seg_strides, *kv_strides)
+    align = _align(*strides, *pub_strides, *kv_strides)
     a = lambda xs: tuple(Scalar(x // align) for x in xs)  # noqa: E731
-    common = dict(BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_E=block_e, CHUNKS=chunks, ALIGN=align,
-                  EVEN_D=d == block_d, EVEN_E=e % block_e == 0,
-                  DOT_BF16=q.dtype == "bfloat16" and d == block_d and e % block_e == 0,
-                  DOT_PRECISION=dot_precision)
-    geometry = (Scalar(h), Scalar(n), Scalar(d), Scalar(e), Scalar(block_len), Scalar(num_blocks),
-                Scalar(num_chunks), Scalar(blocks_per_seg), decay_stride)
-    launches = []
-    seg = "q"  # dummy pointer when there are no segments
-    if num_segments > 1:
-        seg = "seg_state"
-        buffers[seg] = Buffer((b, h, num_segments, d, e), "float32")
-        launches.append(Launch(
-            _lightning_segment_state_kernel, (n_e, num_segments - 1, b * h),
-            ("k", "v", "ed", *geometry, *a(k.strides[:3] + v.strides[:3]), *a(seg_strides)),
-            (seg,), {k_: v_ for k_, v_ in common.items()},
-            num_warps=num_warps, num_stages=num_stages))
-        launches.append(Launch(
-            _lightning_segment_scan_kernel, (n_e, b * h),
-            (seg, "ed", hist, Scalar(h), Scalar(d), Scalar(e), Scalar(num_segments),
-             Scalar(blocks_per_seg * block_len), decay_stride, *a(hist_strides), *a(seg_strides)),
-            (seg,), dict(BLOCK_D=block_d, BLOCK_E=block_e, HAS_HISTORY=has_hist, ALIGN=align),
-            num_warps=4, num_stages=1))
-    launches.append(Launch(
-        _lightning_prefill_kernel, (n_e, num_segments, b * h),
-        ("q", "k", "v", "ed", hist, seg, *geometry, *a(strides), *a(seg_strides), *a(kv_strides)),
-        ("output", "kv"),
-        dict(common, HAS_HISTORY=has_hist, FROM_SEGMENTS=num_segments > 1,
-             STORE_BLOCK_STATES=not output_final_state_only),
-        num_warps=num_warps, num_stages=num_stages))
-    return Plan(buffers, tuple(launches), results)
+    launch = Launch(
+        _lightning_prefill_kernel, (num_segments * programs,),
+        ("q", "k", "v", "ed", hist, Scalar(h), Scalar(b), Scalar(n), Scalar(d), Scalar(e),
+         Scalar(block_len), Scalar(num_blocks), Scalar(num_chunks), Scalar(blocks_per_seg),
+         Scalar(ed.strides[0]), *a(strides), *a(pub_strides), *a(kv_strides)),
+        ("output", "kv", "seg_state", "sync"),
+        dict(BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_E=block_e, CHUNKS=chunks, N_E=n_e,
+             EVEN_D=d == block_d, EVEN_E=e % block_e == 0, HAS_HISTORY=has_hist,
+             STORE_BLOCK_STATES=not output_final_state_only, PUBLISH_IN_KV=publish_in_kv,
+             SEGMENTED=segmented,
+             DOT_BF16=q.dtype == "bfloat16" and d == block_d and e % block_e == 0,
+             DOT_PRECISION=dot_precision, ALIGN=align),
+        num_warps=num_warps, num_stages=num_stages)
+    return Plan(buffers, (launch,), results)
 
 
 @memoize
@@ -239,20 +241,25 @@ def plan_linear_decode(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, kv_caches: Arra
     launch = Launch(
         _lightning_decode_kernel, (cdiv(e, block_e), b * h),
         ("q", "k", "v", "kv_caches", "slope_rate", "slot_idx",
-         Scalar(h), Scalar(kv_caches.shape[0]), Scalar(d), Scalar(e), Scalar(slope_rate.strides[0]),
+         Scalar(h), Scalar(kv_caches.shape[0]), Scalar(d), Scalar(e),
+         Scalar(slope_rate.strides[0]),
          *(Scalar(x // align) for x in strides), Scalar(kv_caches.strides[3]),
          Scalar(h * e // align), Scalar(e // align)),
         ("output", "kv_caches"),
         dict(BLOCK_D=block_d, BLOCK_E=block_e, EVEN_D=d == block_d, EVEN_E=e % block_e == 0,
-             ALIGN=align),
+             ALIGN=align,
+             OFFS_64=abs(kv_caches.strides[2]) * d + abs(kv_caches.strides[3]) * e >= 2 ** 31),
         num_warps=num_warps, num_stages=1)
     return Plan(buffers, (launch,), results)
 
 
-# NOTE: H200 sweep, B=64, H=64, D=128: E-tile 64 at 2/4/8 warps 3.84/3.83/3.89
-# TB/s; E-tile 32: 3.62-3.67; E-tile 128: 0.62 (2 warps, spills) to 3.74.
+# NOTE: H200 sweeps, B=64, H=64, D=128 (three runs): E-tile 64 at 2/4/8 warps
+# 3.82-3.88 / 3.83-3.88 / 3.72-3.89 TB/s; E-tile 32: 3.46-3.67; E-tile 128:
+# 0.62 (2 warps, spills) to 3.74. Also measured and dropped: evict-first loads
+# with streaming stores (-3%), several (b, h) per program with the next one's
+# loads software-pipelined (2, 4, 8 per program: -2% to -20%).
 DECODE_BLOCK_E = 64
-DECODE_NUM_WARPS = 8
+DECODE_NUM_WARPS = 4
 
 
 def check_slot_ids(slot_idx: np.ndarray, num_slots: int) -> None:

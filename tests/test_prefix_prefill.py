@@ -141,8 +141,9 @@ def test_matches_reference(adapter, dtype, shape):
 
 
 @pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("tiles", [(16, 16), (32, 16, 4, 2, False, 0), (16, 32, 4, 2, False, 2),
-                                   (64, 32, 4, 2, True, 2)], ids=str)
+@pytest.mark.parametrize("tiles", [(16, 16), (32, 16, 4, 2, False, 0), (16, 32, 4, 2, False, 2, False),
+                                   (64, 32, 4, 2, True, 2, False), (32, 32, 4, 2, True, 0, True)],
+                         ids=str)
 def test_small_tiles_full_and_masked_runs(adapter, tiles):
     """Small tiles so every run (masked / full, cache / new keys) has several tiles."""
     case = make_case([(70, 90), (37, 0), (1, 33), (48, 16)], 4, 1, 32, 16, 8, "float32",
@@ -154,6 +155,47 @@ def test_small_tiles_full_and_masked_runs(adapter, tiles):
                          window=w)
         check(run(adapter, case, sliding_window=w), reference(case, sliding_window=w),
               "float32", f"tiles {tiles} window")
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+@pytest.mark.parametrize("gather", [False, True])
+def test_context_gathered_or_paged(adapter, gather):
+    """Both ways of reading the context (dense scratch copy / paged loads in the
+    loop) with odd shapes, fp8 (uint8) cache, window and skip_decode."""
+    g = rng()
+    for shape in ("mqa-d24-bs48", "gqa-d96-bs544-x4"):
+        seqs, hq, hkv, d, bs, x = SHAPES[shape]
+        case = make_case(seqs, hq, hkv, d, bs, x, "float32")
+        with tile_config(16, 16, 4, 2, True, 1, gather):
+            check(run(adapter, case), reference(case), "float32", f"{shape} gather={gather}")
+    w = 29
+    case = make_case([(21, 50), (1, 20), (9, 0), (17, 33)], 4, 2, 32, 16, 8, "float16",
+                     cache_fp8="float8_e4m3fn", as_uint8=True, window=w)
+    keep = g.standard_normal(case["q"].shape).astype(np.float16)
+    opts = dict(kv_cache_dtype="fp8", k_scale=0.7, v_scale=1.3, sliding_window=w,
+                skip_decode=True)
+    with tile_config(32, 16, 4, 2, True, 1, gather):
+        out = run(adapter, case, output=keep, **opts)
+    check(out, reference(case, output=keep, **opts), "float16", f"fp8 window gather={gather}")
+    assert_bitwise_equal(out[21:22], keep[21:22], "decode row kept")
+
+
+def test_gather_plan_policy():
+    """Automatic choice: gather when cache tiles are reused and the scratch is small."""
+    from core_kernels._plan import ArrayInfo
+    from core_kernels.prefix_prefill import plan_prefix_prefill
+    A = ArrayInfo.contiguous
+
+    def plan(q_len, b, blocks):
+        t = q_len * b
+        return plan_prefix_prefill(
+            A((t, 32, 128), "float16"), A((t, 8, 128), "float16"), A((t, 8, 128), "float16"),
+            A((b * blocks, 8, 16, 16, 8), "float16"), A((b * blocks, 8, 128, 16), "float16"),
+            A((b, blocks), "int32"), A((b + 1,), "int32"), A((b,), "int32"), max_input_len=q_len)
+
+    assert len(plan(1024, 4, 256).launches) == 2               # reused, 64 MiB scratch
+    assert len(plan(16, 4, 256).launches) == 1                 # one row tile: no reuse
+    assert len(plan(1024, 64, 8192).launches) == 1             # scratch too large
 
 
 def _options(name, hq, g):
@@ -425,6 +467,15 @@ def test_gpu_real_sizes(dtype, options):
     check(t, ref, dtype, f"torch {options}")
     j = run("jax", case, jit=True, **opts)
     assert_bitwise_equal(t, j, f"torch vs jax {options}")
+    if options != "window-alibi-sinks":
+        return
+    # the paged path (context read through the block table in the loop), forced
+    from core_kernels.prefix_prefill.plan import TILE_CONFIGS
+    with tile_config(*TILE_CONFIGS[(np_dtype(dtype).itemsize, 128)], gather=False):
+        t2 = run("torch", case, **opts)
+        check(t2, ref, dtype, f"torch {options} paged")
+        j2 = run("jax", case, jit=True, **opts)
+        assert_bitwise_equal(t2, j2, f"torch vs jax {options} paged")
 
 
 @requires_gpu

@@ -63,14 +63,19 @@ def _tile_at(i_k, t_a, t_c, n_first):
 
 @triton.jit
 def _block_ids(b_loc_row, stride_bl_n, i_n, lo_key, hi_key, BLOCK_N: tl.constexpr,
-               CACHE_BLOCK: tl.constexpr, ID_RUN: tl.constexpr):
-    """[BLOCK_N] physical block of each token of key tile i_n (int64).
+               CACHE_BLOCK: tl.constexpr, ID_RUN: tl.constexpr, OFFS32: tl.constexpr):
+    """[BLOCK_N] physical block of each token of key tile i_n (int32 when every
+    cache offset fits in 31 bits, else int64).
 
     Tokens are clamped into the visible range [lo_key, hi_key): only live
     block-table slots are read, whatever tile index is asked for.
     """
     tok = tl.minimum(tl.maximum(i_n * BLOCK_N + tl.arange(0, BLOCK_N), lo_key), hi_key - 1)
-    i_blk = tl.load(b_loc_row + (tok // CACHE_BLOCK) * stride_bl_n).to(tl.int64)
+    i_blk = tl.load(b_loc_row + (tok // CACHE_BLOCK) * stride_bl_n)
+    if OFFS32:
+        i_blk = i_blk.to(tl.int32)
+    else:
+        i_blk = i_blk.to(tl.int64)
     # tiles start at multiples of BLOCK_N, so aligned runs of ID_RUN =
     # gcd(BLOCK_N, CACHE_BLOCK) tokens share one physical block (clamping
     # keeps that true: a clamped token lands in its run's block)
@@ -89,24 +94,25 @@ def _attend(
     BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, X: tl.constexpr,
     ID_RUN: tl.constexpr, KV_FP8: tl.constexpr, FP8_TYPE: tl.constexpr,
     DOT_TYPE: tl.constexpr, KC_STRIDE_T: tl.constexpr, KC_STRIDE_X: tl.constexpr,
-    VC_STRIDE_T: tl.constexpr, PREFETCH_IDS: tl.constexpr,
+    VC_STRIDE_T: tl.constexpr, PREFETCH_IDS: tl.constexpr, OFFS32: tl.constexpr,
+    DENSE: tl.constexpr,
 ):
     """Online softmax over the key tiles [t_a, t_b) and [t_c, t_d) of one source."""
     m_d = o_d < HEAD_D
     n_first = t_b - t_a
     ids_next = 0
     ids_next2 = 0
-    if FROM_CACHE and PREFETCH_IDS > 0:
+    if FROM_CACHE and not DENSE and PREFETCH_IDS > 0:
         # NOTE: block ids are loaded PREFETCH_IDS tiles ahead into registers.
         # Loaded in the same iteration, the pipeliner turns them into cp.async
         # groups queued between K/V groups, and waiting for the ids (needed for
         # the K/V addresses) also waits for the K/V copies ahead of them
         # (1 tile ahead: 12% faster on the H200 with BLOCK_N=64; see plan.py).
         ids_next = _block_ids(b_loc_row, stride_bl_n, _tile_at(0, t_a, t_c, n_first),
-                              lo_key, hi_key, BLOCK_N, CACHE_BLOCK, ID_RUN)
+                              lo_key, hi_key, BLOCK_N, CACHE_BLOCK, ID_RUN, OFFS32)
         if PREFETCH_IDS > 1:
             ids_next2 = _block_ids(b_loc_row, stride_bl_n, _tile_at(1, t_a, t_c, n_first),
-                                   lo_key, hi_key, BLOCK_N, CACHE_BLOCK, ID_RUN)
+                                   lo_key, hi_key, BLOCK_N, CACHE_BLOCK, ID_RUN, OFFS32)
     for i_k in range(0, n_first + (t_d - t_c)):
         i_n = _tile_at(i_k, t_a, t_c, n_first)
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] key index in its source
@@ -120,7 +126,7 @@ def _attend(
         else:
             m_kt = m_d[:, None]
             m_v = m_d[None, :]
-        if FROM_CACHE:
+        if not DENSE:
             tok = o_n
             if MASKED:
                 # clamp into the visible range: only live block-table slots are read
@@ -129,21 +135,25 @@ def _attend(
                 i_blk = ids_next
                 ids_next = ids_next2
                 ids_next2 = _block_ids(b_loc_row, stride_bl_n, _tile_at(i_k + 2, t_a, t_c, n_first),
-                                       lo_key, hi_key, BLOCK_N, CACHE_BLOCK, ID_RUN)
+                                       lo_key, hi_key, BLOCK_N, CACHE_BLOCK, ID_RUN, OFFS32)
             elif PREFETCH_IDS > 0:
                 i_blk = ids_next
                 ids_next = _block_ids(b_loc_row, stride_bl_n, _tile_at(i_k + 1, t_a, t_c, n_first),
-                                      lo_key, hi_key, BLOCK_N, CACHE_BLOCK, ID_RUN)
+                                      lo_key, hi_key, BLOCK_N, CACHE_BLOCK, ID_RUN, OFFS32)
             else:
                 i_blk = _block_ids(b_loc_row, stride_bl_n, i_n, lo_key, hi_key, BLOCK_N,
-                                   CACHE_BLOCK, ID_RUN)
+                                   CACHE_BLOCK, ID_RUN, OFFS32)
             o_t = tok % CACHE_BLOCK
+            # NOTE: per-token and per-channel offsets are summed first and added
+            # to the pointer once (int32 when the plan proved every cache offset
+            # fits): fewer 64-bit address ops in the loop than one addptr per term.
             # [HEAD_D, BLOCK_N] from [num_blocks, Hkv, D // X, block_size, X]
-            p_kt = (k_base + i_blk[None, :] * stride_kc_b + (o_d // X)[:, None] * stride_kc_dx
-                    + o_t[None, :] * KC_STRIDE_T + (o_d % X)[:, None] * KC_STRIDE_X)
+            o_kn = i_blk * stride_kc_b + o_t * KC_STRIDE_T            # [BLOCK_N]
+            o_kd = (o_d // X) * stride_kc_dx + (o_d % X) * KC_STRIDE_X  # [BLOCK_D]
+            p_kt = k_base + (o_kn[None, :] + o_kd[:, None])
             # [BLOCK_N, HEAD_D] from [num_blocks, Hkv, D, block_size]
-            p_v = (v_base + i_blk[:, None] * stride_vc_b + o_d[None, :] * stride_vc_d
-                   + o_t[:, None] * VC_STRIDE_T)
+            o_vn = i_blk * stride_vc_b + o_t * VC_STRIDE_T
+            p_v = v_base + (o_vn[:, None] + (o_d * stride_vc_d)[None, :])
         else:
             o_n64 = o_n.to(tl.int64)
             p_kt = k_base + o_n64[None, :] * stride_k_tok + o_d[:, None] * stride_k_d
@@ -152,7 +162,7 @@ def _attend(
             b_kt = tl.load(p_kt, mask=m_kt, other=0.0)  # [BLOCK_D, BLOCK_N]
         else:
             b_kt = tl.load(p_kt)
-        if FROM_CACHE and KV_FP8:
+        if FROM_CACHE and KV_FP8 and not DENSE:
             b_kt = b_kt.to(FP8_TYPE, bitcast=True).to(DOT_TYPE)
         qk = tl.dot(b_q, b_kt)  # [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N] -> fp32
         s = qk * qk_scale2
@@ -177,7 +187,8 @@ def _attend(
         else:
             b_v = tl.load(p_v)
         if FROM_CACHE and KV_FP8:
-            b_v = b_v.to(FP8_TYPE, bitcast=True).to(DOT_TYPE)
+            if not DENSE:  # the gather kernel already widened the fp8 values (exactly)
+                b_v = b_v.to(FP8_TYPE, bitcast=True).to(DOT_TYPE)
             p = p * v_scale  # dequantise V through P: the new tokens' V is unscaled
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(DOT_TYPE), b_v, acc)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
@@ -191,14 +202,17 @@ def _prefix_prefill_kernel(
     q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
     b_loc_ptr, b_start_loc_ptr, b_seq_len_ptr,
     k_scale_ptr, v_scale_ptr, alibi_ptr, sinks_ptr, out_scale_ptr, out_in_ptr,
-    # runtime scalars (the block table's strides: its width changes per batch)
-    stride_bl_b, stride_bl_n,
+    k_scr_ptr, v_scr_ptr,
+    # runtime scalars (the block table's strides and the scratch's tokens per
+    # sequence, as 2 * ctx_cap + 1: the table's width changes per batch)
+    stride_bl_b, stride_bl_n, ctx_cap_odd,
     # output pointers
     out_ptr,
     # constexprs
     QK_SCALE2: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, CACHE_BLOCK: tl.constexpr, X: tl.constexpr,
     ID_RUN: tl.constexpr, GROUP: tl.constexpr, PACK: tl.constexpr, PREFETCH_IDS: tl.constexpr,
+    CACHE_DENSE: tl.constexpr, OFFS32: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     KV_FP8: tl.constexpr, FP8_E5M2: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr,
@@ -284,8 +298,16 @@ def _prefix_prefill_kernel(
             lo_key = tl.maximum(ctx_len + m0 - window + 1, 0)
             full_lo = tl.maximum(ctx_len + r_last - window + 1, 0)
         t0, t1, t2, t3 = _tile_runs(lo_key, ctx_len, full_lo, ctx_len, BLOCK_N)
-        kc_base = k_cache_ptr + i_kvh * stride_kc_h
-        vc_base = v_cache_ptr + i_kvh * stride_vc_h
+        if CACHE_DENSE:
+            # the context was gathered into [B, Hkv, ctx_cap, D] scratch
+            # (_prefix_prefill_gather_kernel): dense tiles, like the new tokens
+            ctx_cap = ctx_cap_odd // 2
+            scr_row = (i_b * NUM_KV_HEADS + i_kvh).to(tl.int64) * ctx_cap * HEAD_D
+            kc_base = k_scr_ptr + scr_row
+            vc_base = v_scr_ptr + scr_row
+        else:
+            kc_base = k_cache_ptr + i_kvh * stride_kc_h
+            vc_base = v_cache_ptr + i_kvh * stride_vc_h
         b_loc_row = b_loc_ptr + i_b * stride_bl_b
         k_base = k_ptr + q_start.to(tl.int64) * stride_k_t + i_kvh * stride_k_h
         v_base = v_ptr + q_start.to(tl.int64) * stride_v_t + i_kvh * stride_v_h
@@ -296,11 +318,11 @@ def _prefix_prefill_kernel(
                 t0 if masked == 0 else t1, t1 if masked == 0 else t2,
                 t2 if masked == 0 else t2, t3 if masked == 0 else t2,
                 lo_key, ctx_len, 0, window, ctx_scale2, alibi2, v_scale,
-                kc_base, vc_base, 0, 0, 0, 0,
+                kc_base, vc_base, HEAD_D, 1, HEAD_D, 1,
                 b_loc_row, stride_bl_n, stride_kc_b, stride_kc_dx, stride_vc_b, stride_vc_d,
                 True, masked == 0, HAS_WINDOW, HAS_ALIBI, EVEN_D, HEAD_D, BLOCK_N, CACHE_BLOCK,
                 X, ID_RUN, KV_FP8, FP8_TYPE, DOT_TYPE, KC_STRIDE_T, KC_STRIDE_X, VC_STRIDE_T,
-                PREFETCH_IDS)
+                PREFETCH_IDS, OFFS32, CACHE_DENSE)
 
         # ---- new keys (k, v), positions ctx_len .. ctx_len + q_len - 1; causal
         lo_key = 0
@@ -321,7 +343,7 @@ def _prefix_prefill_kernel(
                 b_loc_row, 0, 0, 0, 0, 0,
                 False, masked == 0, HAS_WINDOW, HAS_ALIBI, EVEN_D, HEAD_D, BLOCK_N, CACHE_BLOCK,
                 X, ID_RUN, KV_FP8, FP8_TYPE, DOT_TYPE, KC_STRIDE_T, KC_STRIDE_X, VC_STRIDE_T,
-                PREFETCH_IDS)
+                PREFETCH_IDS, OFFS32, True)
 
         # every live row sees at least itself, so l_i > 0 there; rows past the
         # sequence may see nothing (0 / 0): keep them quiet, they are never stored
@@ -333,3 +355,64 @@ def _prefix_prefill_kernel(
         p_o = (out_ptr + rows[:, None] * stride_o_t + o_h[:, None] * stride_o_h
                + o_d[None, :] * stride_o_d)
         tl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
+
+
+@triton.jit
+def _prefix_prefill_gather_kernel(
+    # input pointers
+    k_cache_ptr, v_cache_ptr, b_loc_ptr, b_start_loc_ptr, b_seq_len_ptr,
+    # runtime scalars (ctx_cap_odd = 2 * tokens per sequence in the scratch + 1)
+    stride_bl_b, stride_bl_n, ctx_cap_odd,
+    # output pointers: [B, Hkv, ctx_cap, D] each, in the cache dtype (q's for fp8)
+    k_scr_ptr, v_scr_ptr,
+    # constexprs
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, GATHER_N: tl.constexpr,
+    CACHE_BLOCK: tl.constexpr, X: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, WINDOW: tl.constexpr, SKIP_DECODE: tl.constexpr,
+    KV_FP8: tl.constexpr, FP8_E5M2: tl.constexpr,
+    stride_kc_b: tl.constexpr, stride_kc_h: tl.constexpr, stride_kc_dx: tl.constexpr,
+    KC_STRIDE_T: tl.constexpr, KC_STRIDE_X: tl.constexpr,
+    stride_vc_b: tl.constexpr, stride_vc_h: tl.constexpr, stride_vc_d: tl.constexpr,
+    VC_STRIDE_T: tl.constexpr,
+):
+    """Copy the visible context of one sequence / kv head, GATHER_N tokens per
+    program, from the paged cache into dense [token, D] rows. An fp8 cache is
+    widened to the scratch's dtype (q's): exact, every fp8 value is a 16-bit
+    float, and the scales stay in the attention kernel, so the result is the
+    paged path's bit for bit. Only the tokens some query of the sequence can see are read and
+    written; the attention kernel reads no others (same visibility bounds)."""
+    i_n = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2)
+    ctx_cap = ctx_cap_odd // 2
+    q_len = tl.load(b_start_loc_ptr + i_b + 1).to(tl.int32) - tl.load(b_start_loc_ptr + i_b).to(tl.int32)
+    ctx_len = tl.load(b_seq_len_ptr + i_b).to(tl.int32) - q_len
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(ctx_len - WINDOW + 1, 0)  # window start of the first query row
+    n0 = i_n * GATHER_N
+    run = (q_len > 0) & (n0 < ctx_len) & (n0 + GATHER_N > lo)
+    if SKIP_DECODE:
+        run = run & (q_len != 1)
+    if run:
+        o_n = n0 + tl.arange(0, GATHER_N)
+        o_d = tl.arange(0, BLOCK_D)
+        m_n = (o_n >= lo) & (o_n < ctx_len) & (o_n < ctx_cap)
+        m = m_n[:, None] & (o_d < HEAD_D)[None, :]
+        tok = tl.minimum(tl.maximum(o_n, lo), ctx_len - 1)  # only live table slots are read
+        i_blk = tl.load(b_loc_ptr + i_b * stride_bl_b + (tok // CACHE_BLOCK) * stride_bl_n).to(tl.int64)
+        o_t = tok % CACHE_BLOCK
+        o_kn = i_blk * stride_kc_b + o_t * KC_STRIDE_T
+        o_kd = (o_d // X) * stride_kc_dx + (o_d % X) * KC_STRIDE_X
+        b_k = tl.load(k_cache_ptr + i_h * stride_kc_h + (o_kn[:, None] + o_kd[None, :]), mask=m)
+        o_vn = i_blk * stride_vc_b + o_t * VC_STRIDE_T
+        b_v = tl.load(v_cache_ptr + i_h * stride_vc_h + (o_vn[:, None] + (o_d * stride_vc_d)[None, :]),
+                      mask=m)
+        if KV_FP8:
+            FP8_TYPE: tl.constexpr = tl.float8e5 if FP8_E5M2 else tl.float8e4nv
+            b_k = b_k.to(FP8_TYPE, bitcast=True).to(k_scr_ptr.dtype.element_ty)
+            b_v = b_v.to(FP8_TYPE, bitcast=True).to(v_scr_ptr.dtype.element_ty)
+        row = (i_b * NUM_KV_HEADS + i_h).to(tl.int64) * ctx_cap + o_n  # [GATHER_N]
+        o_s = row[:, None] * HEAD_D + o_d[None, :]
+        tl.store(k_scr_ptr + o_s, b_k, mask=m)
+        tl.store(v_scr_ptr + o_s, b_v, mask=m)

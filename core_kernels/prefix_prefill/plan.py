@@ -6,10 +6,10 @@ import math
 
 import numpy as np
 
-from .._plan import (FLOAT_DTYPES, FP8_DTYPES, FP8_MAX, INT_DTYPES, ArrayInfo, Buffer, Launch,
-                     Plan, Scalar, cdiv, check_dtype, check_ndim, check_shape, memoize, next_pow2)
+from .._plan import (FLOAT_DTYPES, FP8_DTYPES, FP8_MAX, INT_DTYPES, ITEMSIZE, ArrayInfo, Buffer,
+                     Launch, Plan, Scalar, cdiv, check_dtype, check_ndim, check_shape, memoize, next_pow2)
 from .._triton_utils import FP8_ROUNDING
-from .kernels import _prefix_prefill_kernel
+from .kernels import _prefix_prefill_gather_kernel, _prefix_prefill_kernel
 
 MAX_HEAD_SIZE = 256
 LOG2E = 1.4426950408889634
@@ -17,7 +17,9 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m
                    "fp8_e5m2": "float8_e5m2"}
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, pack GQA heads into rows, block ids
-# prefetched how many tiles ahead) by (query itemsize, BLOCK_D).
+# prefetched how many tiles ahead) by (query itemsize, BLOCK_D), for the paged
+# path (context read through the block table in the loop); GATHER_TILE_CONFIGS
+# below overrides them when the context is gathered into dense scratch.
 # NOTE: measured on the H200 (bench_prefix_prefill.py, Llama-8B heads, cache
 # block 16, three runs): for 16-bit D=128, (128, 128, 8, 3) beat (128, 64, 8, 3)
 # by 7-9% at B=4 x q=1024 over ctx=4096 (1211-1273 vs 1325-1366 us) and by
@@ -38,17 +40,40 @@ TILE_CONFIGS = {
     (4, 256): (32, 32, 4, 2, True, 1),
 }
 
+# Context gathered into dense scratch first (one cheap copy kernel), so the
+# attention loop over the context reads dense tiles like the new tokens do.
+# NOTE: with block_size 16 every 128-token cache tile gathers 8 blocks; the
+# per-token block ids and address math in the loop (about +35% instructions
+# per tile in the PTX, plus the id load's latency ahead of the K/V copies)
+# made the paged loop ~60% as fast per FLOP as the dense one on the H200.
+# Used when each cache tile is read by at least GATHER_MIN_REUSE row tiles
+# (otherwise the copy is pure extra traffic) and the scratch, 2 x B x Hkv x
+# (block-table width x block_size) x D elements, stays under the limit below
+# (the block table's width, not the real context, sizes it).
+# NOTE: measured on the H200 (benchmarks/sweep_prefix_prefill.py, B=4 x q=1024
+# over ctx=4096, Llama-8B heads, fp16): 1272 us paged (before this change),
+# 1111 us paged now (int32 cache offsets; the kernel no longer trips ptxas's
+# wgmma serialisation, C7515), 742 us with the gather (42 us of it the copy,
+# 3.2 TB/s). With the context dense, (128, 64, 8, 3) equals (128, 128, 8, 3)
+# there (741 vs 742-766 us) and wins on causal q=8192 (1171 vs 1225 us) and
+# B=16 x q=256 (420 vs 447 us); num_stages 2 or 4 and BLOCK_M=64 were slower.
+GATHER_TILE_CONFIGS = {(2, 128): (128, 64, 8, 3, True, 0)}
+GATHER_MIN_REUSE = 2
+GATHER_MAX_BYTES = 256 << 20
+
 _override = None
 
 
 @contextlib.contextmanager
 def tile_config(block_m: int, block_n: int, num_warps: int = 4, num_stages: int = 2,
-                pack_gqa: bool = True, prefetch_ids: int = 1):
+                pack_gqa: bool = True, prefetch_ids: int = 1, gather=None):
     """Force one tile configuration for plans made inside the block (tests,
-    benchmarks). Part of the plan's cache key, so cached plans never mix."""
+    benchmarks); ``gather`` None = automatic, True / False = force the dense
+    scratch copy of the context on / off. Part of the plan's cache key, so
+    cached plans never mix."""
     global _override
     saved, _override = _override, (block_m, block_n, num_warps, num_stages, pack_gqa,
-                                 prefetch_ids)
+                                 prefetch_ids, gather)
     try:
         yield
     finally:
@@ -185,25 +210,70 @@ def _plan(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, output, k_sc
 
     block_d = max(16, next_pow2(d))
     itemsize = 4 if q.dtype == "float32" else 2
-    block_m, block_n, num_warps, num_stages, pack_gqa, prefetch = (
-        config or TILE_CONFIGS[(itemsize, block_d)])
-    # short queries (decode-heavy batches): no point in rows that never exist
-    rows_needed = max_input_len * (hq // hkv if pack_gqa else 1)
-    block_m = max(16, min(block_m, next_pow2(rows_needed)))
+    key = (itemsize, block_d)
+    group = hq // hkv
+
+    def rows_and_pack(block_m, pack_gqa):
+        # short queries (decode-heavy batches): no point in rows that never exist
+        rows_needed = max_input_len * (group if pack_gqa else 1)
+        block_m = max(16, min(block_m, next_pow2(rows_needed)))
+        # GQA packing needs whole head groups in a tile (powers of two divide BLOCK_M)
+        pack = group if pack_gqa and group & (group - 1) == 0 and group <= block_m else 1
+        return block_m, pack
+
+    block_m, block_n, num_warps, num_stages, pack_gqa, prefetch, gather = (
+        config or (*TILE_CONFIGS[key], None))
+    block_m, pack = rows_and_pack(block_m, pack_gqa)
     window = sliding_window if sliding_window is not None and sliding_window > 0 else 0
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     out_fp8 = out_dtype if has_out_scale else None
 
-    group = hq // hkv
-    # GQA packing needs whole head groups in a tile (powers of two divide BLOCK_M)
-    pack = group if pack_gqa and group & (group - 1) == 0 and group <= block_m else 1
+    ctx_cap = b_loc.shape[1] * block_size  # scratch tokens per sequence
+    scratch_dtype = q.dtype if fp8 else k_cache.dtype
+    if gather is None:  # automatic: only where measured (fp32 (64, 32) tiles: 4.1 vs 3.1 ms)
+        reuse = cdiv(max_input_len, block_m // pack)  # row tiles reading each cache tile
+        scratch_bytes = 2 * bsz * hkv * ctx_cap * d * ITEMSIZE[scratch_dtype]
+        gather = (key in GATHER_TILE_CONFIGS and reuse >= GATHER_MIN_REUSE
+                  and scratch_bytes <= GATHER_MAX_BYTES)
+    gather = bool(gather) and ctx_cap > 0
+    if gather and config is None:
+        block_m, block_n, num_warps, num_stages, pack_gqa, prefetch = GATHER_TILE_CONFIGS[key]
+        block_m, pack = rows_and_pack(block_m, pack_gqa)
+
     names = ("stride_q_t", "stride_q_h", "stride_q_d", "stride_k_t", "stride_k_h", "stride_k_d",
              "stride_v_t", "stride_v_h", "stride_v_d", "stride_o_t", "stride_o_h", "stride_o_d")
     strides = dict(zip(names, (*q.strides, *k.strides, *v.strides, *output.strides)))
     strides.update(zip(("stride_kc_b", "stride_kc_h", "stride_kc_dx", "KC_STRIDE_T", "KC_STRIDE_X"),
                        k_cache.strides))
     strides.update(zip(("stride_vc_b", "stride_vc_h", "stride_vc_d", "VC_STRIDE_T"), v_cache.strides))
-    launch = Launch(
+    # every cache offset (block, head, channel, token) fits in int32?
+    offs32 = all(sum((n - 1) * st for n, st in zip(c.shape, c.strides)) < 2 ** 31
+                 for c in (k_cache, v_cache))
+    # NOTE: the scratch's tokens per sequence is a runtime scalar (the block
+    # table's width changes per batch), passed odd (2 * ctx_cap + 1) so that
+    # neither torch's launcher (divisibility-16 / == 1 specialisation) nor
+    # jax-triton (none) specialises it: both compile the same kernel, so their
+    # results stay bitwise equal (see the constexpr strides NOTE in kernels.py).
+    launches = []
+    if gather:
+        for name in ("k_scratch", "v_scratch"):
+            buffers[name] = Buffer((bsz, hkv, ctx_cap, d), scratch_dtype)
+        gather_n = 32 if block_d > 128 else 64
+        launches.append(Launch(
+            kernel=_prefix_prefill_gather_kernel,
+            grid=(cdiv(ctx_cap, gather_n), hkv, bsz),
+            args=("k_cache", "v_cache", "b_loc", "b_start_loc", "b_seq_len",
+                  *(Scalar(s, "i64") for s in b_loc.strides), Scalar(2 * ctx_cap + 1, "i32")),
+            outputs=("k_scratch", "v_scratch"),
+            constexprs=dict(
+                HEAD_D=d, BLOCK_D=block_d, GATHER_N=gather_n, CACHE_BLOCK=block_size, X=x,
+                NUM_KV_HEADS=hkv, HAS_WINDOW=window > 0, WINDOW=window, SKIP_DECODE=skip_decode,
+                KV_FP8=fp8 is not None, FP8_E5M2=fp8 == "float8_e5m2",
+                **{n: strides[n] for n in ("stride_kc_b", "stride_kc_h", "stride_kc_dx",
+                                           "KC_STRIDE_T", "KC_STRIDE_X", "stride_vc_b",
+                                           "stride_vc_h", "stride_vc_d", "VC_STRIDE_T")}),
+            num_warps=4, num_stages=1))
+    launches.append(Launch(
         kernel=_prefix_prefill_kernel,
         grid=(cdiv(max_input_len, block_m // pack), hq // pack, bsz),
         args=("q", "k", "v", "k_cache", "v_cache", "b_loc", "b_start_loc", "b_seq_len",
@@ -212,12 +282,14 @@ def _plan(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, output, k_sc
               "alibi_slopes" if alibi_slopes is not None else "q",
               "sinks" if sinks is not None else "q",
               "fp8_out_scale" if has_out_scale else "q", out_in,
-              *(Scalar(s, "i64") for s in b_loc.strides)),
+              "k_scratch" if gather else "q", "v_scratch" if gather else "q",
+              *(Scalar(s, "i64") for s in b_loc.strides), Scalar(2 * ctx_cap + 1, "i32")),
         outputs=("output",),
         constexprs=dict(
             QK_SCALE2=float(np.float32(scale * LOG2E)), HEAD_D=d, BLOCK_D=block_d,
             BLOCK_M=block_m, BLOCK_N=block_n, CACHE_BLOCK=block_size, X=x,
             ID_RUN=math.gcd(block_n, block_size), GROUP=group, PACK=pack, PREFETCH_IDS=int(prefetch),
+            CACHE_DENSE=gather, OFFS32=offs32, NUM_KV_HEADS=hkv,
             KV_FP8=fp8 is not None, FP8_E5M2=fp8 == "float8_e5m2",
             HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=window > 0, WINDOW=window,
             HAS_SINKS=sinks is not None, SKIP_DECODE=skip_decode, OUT_FP8=has_out_scale,
@@ -226,5 +298,5 @@ def _plan(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, output, k_sc
                        FP8_ROUNDING.get(out_fp8, (0, 0.0, 0.0)))),
             **strides),
         num_warps=num_warps, num_stages=num_stages,
-    )
-    return Plan(buffers, (launch,), ("output",))
+    ))
+    return Plan(buffers, tuple(launches), ("output",))

@@ -361,3 +361,24 @@ def test_gpu_cuda_graph_replay_new_lengths(decode):
     torch.cuda.synchronize()
     ref = reference(q2, k2, v2, cu_k2, cu_q2, formula_block_mask(32, 32, 16, 8, False), 64)
     assert_close(torch_to_numpy(out), ref, "bfloat16", "graph replay with new lengths")
+
+
+# ------------------------------------------------------------------ tile configs
+@pytest.mark.parametrize("case,cfg", [("mixed-perhead", dict(block_m=16, block_n=16)),
+                                      ("mixed-perhead", dict(block_m=32, block_n=16)),
+                                      ("block32", dict(block_m=64, block_n=16)),
+                                      ("block32", dict(block_m=16, block_n=16))], ids=str)
+def test_prefill_tile_configs(case, cfg):
+    """One-row tiles (block_m <= block_size), two-row tiles, K/V sub-blocks (block_n < block_size)."""
+    from adapters.torch._executor import info, run_plan
+    (q, k, v, cu_k, cu_q), (crow, col), block_mask, opts = case_inputs(case, "float32")
+    bs = opts["block_size"]
+    t = {n: to_torch(x) for n, x in dict(q=q, k=k, v=v, cu_seqlens_k=cu_k, cu_seqlens_q=cu_q,
+                                          crow=np.ascontiguousarray(crow),
+                                          col=np.ascontiguousarray(col)).items()}
+    plan = plan_blocksparse_attention(*(info(t[n]) for n in ("q", "k", "v", "cu_seqlens_k",
+                                                             "cu_seqlens_q", "crow", "col")),
+                                      block_size=bs, **cfg)
+    assert plan.launches[0].constexprs["ROWS"] == (2 if cfg["block_m"] == 2 * bs else 1)
+    out = run_plan(plan, t, None, t["q"].device)["output"]
+    assert_close(torch_to_numpy(out), reference(q, k, v, cu_k, cu_q, block_mask, bs), "float32", str(cfg))

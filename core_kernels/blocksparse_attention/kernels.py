@@ -18,7 +18,9 @@ Three kernels:
 
 Positions are absolute (query i of a sequence sits at past + i, past =
 k_len - q_len); query tiles are aligned to absolute positions, so a tile of
-BLOCK_M <= BLOCK_SIZE queries lies in one layout row.
+BLOCK_M <= BLOCK_SIZE queries lies in one layout row (ROWS = 1), and a tile of
+BLOCK_M = 2 * BLOCK_SIZE in two (ROWS = 2: the union of their columns, each
+half masked to its own row's).
 Scores are kept in base 2: qk * QK_SCALE (= sm_scale * log2(e), a constexpr:
 jax-triton bakes scalars into the program anyway), exp2.
 """
@@ -48,13 +50,19 @@ def _max(x, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _attend_block(acc, m_i, l_i, b_q, k_ptrs, v_ptrs, kpos, q_pos, k_len, qk_scale, drop,
-                  m_dk, m_dv, MASKED: tl.constexpr, HAS_DROP: tl.constexpr,
-                  EVEN_D: tl.constexpr, IS_FP32: tl.constexpr):
+def _min(x, AXIS: tl.constexpr):
+    return tl.reduce(x, AXIS, tl.standard._elementwise_min)
+
+
+@triton.jit
+def _attend_block(acc, m_i, l_i, b_q, k_ptrs, v_ptrs, kpos, q_pos, k_len, qk_scale, row_ok,
+                  m_dk, m_dv, MASKED: tl.constexpr, HAS_ROW_MASK: tl.constexpr,
+                  EVEN_D: tl.constexpr, IS_FP32: tl.constexpr, FOLD_SCALE: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] step of the online softmax.
 
     kpos [BLOCK_N] absolute key positions; MASKED applies the token-level
-    causal mask (and bounds); ``drop`` (scalar) masks the whole block.
+    causal mask (and bounds); ``row_ok`` [BLOCK_M] (with HAS_ROW_MASK) masks
+    the rows whose layout row does not hold this key block.
     """
     if MASKED:
         m_k = kpos < k_len
@@ -71,19 +79,26 @@ def _attend_block(acc, m_i, l_i, b_q, k_ptrs, v_ptrs, kpos, q_pos, k_len, qk_sca
         b_s = tl.dot(b_q, b_kt, input_precision="ieee")                 # [BLOCK_M, BLOCK_N]
     else:
         b_s = tl.dot(b_q, b_kt)
-    b_s = b_s * qk_scale
+    if not FOLD_SCALE:
+        b_s = b_s * qk_scale
     if MASKED:
         m_s = kpos[None, :] <= q_pos[:, None]
-        if HAS_DROP:
-            m_s = m_s & (drop == 0)
+        if HAS_ROW_MASK:
+            m_s = m_s & row_ok[:, None]
         b_s = tl.where(m_s, b_s, float("-inf"))
-    m_new = tl.maximum(m_i, _max(b_s, 1))
+    if FOLD_SCALE:  # scale > 0: max(s) * scale == max(s * scale); s * scale - m is one FMA
+        m_new = tl.maximum(m_i, _max(b_s, 1) * qk_scale)
+    else:
+        m_new = tl.maximum(m_i, _max(b_s, 1))
     if MASKED:  # a row may have no key yet: keep exp2 away from (-inf) - (-inf)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
     alpha = tl.math.exp2(m_i - m_use)
-    b_p = tl.math.exp2(b_s - m_use[:, None])
+    if FOLD_SCALE:
+        b_p = tl.math.exp2(b_s * qk_scale - m_use[:, None])
+    else:
+        b_p = tl.math.exp2(b_s - m_use[:, None])
     l_i = l_i * alpha + _sum(b_p, 1)
     if MASKED:
         if EVEN_D:
@@ -121,7 +136,7 @@ def _bsattn_fwd_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, GROUP: tl.constexpr, B_P2: tl.constexpr, NNZ_P2: tl.constexpr,
     CNT_CHUNK: tl.constexpr, DECODE_Q: tl.constexpr, EVEN_D: tl.constexpr,
-    IS_FP32: tl.constexpr, QK_SCALE: tl.constexpr,
+    IS_FP32: tl.constexpr, QK_SCALE: tl.constexpr, ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     i_h = pid % num_heads   # heads fastest: the heads of one KV group run together (L2 reuse)
@@ -162,6 +177,7 @@ def _bsattn_fwd_kernel(
     p_q = q_ptr + q_rows[:, None] * stride_qt + i_h * stride_qh + o_d[None, :]
     b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
     qk_scale = QK_SCALE
+    FOLD_SCALE: tl.constexpr = QK_SCALE > 0
 
     i_kvh = (i_h // num_queries_per_kv).to(tl.int64)
     k_base = k_ptr + k_lo.to(tl.int64) * stride_kt + i_kvh * stride_kh
@@ -180,7 +196,7 @@ def _bsattn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
 
-    if GROUP == 1:
+    if GROUP == 1 and ROWS == 1:
         start = tl.load(p_crow + qb)
         end = tl.load(p_crow + qb + 1)
         # columns are ascending: those below the tile's row need no mask
@@ -194,15 +210,74 @@ def _bsattn_fwd_kernel(
             kstart = (c * BLOCK_SIZE + (j % SUB) * BLOCK_N).to(tl.int64)
             acc, m_i, l_i = _attend_block(
                 acc, m_i, l_i, b_q, k_base + kstart * stride_kt + k_offs,
-                v_base + kstart * stride_vt + v_offs, kstart + o_n, o_m, k_len, qk_scale, 0,
-                m_dk, m_dv, False, False, EVEN_D, IS_FP32)
+                v_base + kstart * stride_vt + v_offs, kstart + o_n, o_m, k_len, qk_scale, m_m,
+                m_dk, m_dv, False, False, EVEN_D, IS_FP32, FOLD_SCALE)
         for j in range((start + n_below) * SUB, end * SUB):
             c = tl.load(p_col + j // SUB)
             kstart = (c * BLOCK_SIZE + (j % SUB) * BLOCK_N).to(tl.int64)
             acc, m_i, l_i = _attend_block(
                 acc, m_i, l_i, b_q, k_base + kstart * stride_kt + k_offs,
-                v_base + kstart * stride_vt + v_offs, kstart + o_n, o_m, k_len, qk_scale, 0,
-                m_dk, m_dv, True, False, EVEN_D, IS_FP32)
+                v_base + kstart * stride_vt + v_offs, kstart + o_n, o_m, k_len, qk_scale, m_m,
+                m_dk, m_dv, True, False, EVEN_D, IS_FP32, FOLD_SCALE)
+    elif GROUP == 1:
+        # ROWS == 2: the tile spans two layout rows r0 (first half of the
+        # tile's queries) and r0 + 1 (second half). A = the later row that holds
+        # a query of this sequence, B = the earlier one (A's row again when the
+        # first half holds none). Work: A's columns (the first half masked where
+        # B lacks the column), then B's columns that A lacks (second half masked).
+        t0 = tile * BLOCK_M
+        r0 = t0 // BLOCK_SIZE
+        has0 = past < t0 + BLOCK_SIZE                  # a query in the first half
+        has1 = t0 + BLOCK_SIZE < k_len                 # a query in the second half
+        row_a = tl.minimum(tl.where(has1, r0 + 1, r0), num_rows - 1)
+        row_b = tl.where(has0, r0, row_a)
+        s_a = tl.load(p_crow + row_a)
+        e_a = tl.load(p_crow + row_a + 1)
+        s_b = tl.load(p_crow + row_b)
+        n_b = tl.load(p_crow + row_b + 1) - s_b
+        o_cb = tl.arange(0, NNZ_P2)
+        b_cb = tl.load(p_col + s_b + o_cb, mask=o_cb < n_b, other=-1)   # [NNZ_P2] B's columns
+        # n_fast: A's leading columns that lie below both rows and that B holds
+        # too need no mask at all (for local + stride layouts: all but the last two)
+        n_fast = e_a - s_a
+        in_a = o_cb * 0                                                 # B's columns found in A
+        for off in range(s_a, e_a, CNT_CHUNK):
+            o_ca = off + tl.arange(0, CNT_CHUNK)
+            b_ca = tl.load(p_col + o_ca, mask=o_ca < e_a, other=-2)     # [CNT_CHUNK]
+            eq = (b_ca[:, None] == b_cb[None, :]).to(tl.int32)          # [CNT_CHUNK, NNZ_P2]
+            bad = (o_ca < e_a) & ((b_ca >= r0) | (_sum(eq, 1) == 0))
+            n_fast = tl.minimum(n_fast, _min(tl.where(bad, o_ca - s_a, 2147483647), 0))
+            in_a += _sum(eq, 0)
+        b_only = ((in_a == 0) & (o_cb < n_b)).to(tl.int32)              # B's columns A lacks
+        n_extra = _sum(b_only, 0)
+        rank = tl.associative_scan(b_only, 0, _add)
+        second = tl.arange(0, BLOCK_M) >= BLOCK_SIZE                     # rows of the second half
+        for j in range(0, n_extra * SUB):
+            idx = _sum(tl.where((b_only > 0) & (rank == j // SUB + 1), o_cb, 0), 0)
+            c = tl.load(p_col + s_b + idx)
+            row_ok = second == 0
+            kstart = (c * BLOCK_SIZE + (j % SUB) * BLOCK_N).to(tl.int64)
+            acc, m_i, l_i = _attend_block(
+                acc, m_i, l_i, b_q, k_base + kstart * stride_kt + k_offs,
+                v_base + kstart * stride_vt + v_offs, kstart + o_n, o_m, k_len, qk_scale, row_ok,
+                m_dk, m_dv, True, True, EVEN_D, IS_FP32, FOLD_SCALE)
+        for j in range((s_a + n_fast) * SUB, e_a * SUB):
+            c = tl.load(p_col + j // SUB)
+            row_ok = second | (_sum((b_cb == c).to(tl.int32), 0) > 0)
+            kstart = (c * BLOCK_SIZE + (j % SUB) * BLOCK_N).to(tl.int64)
+            acc, m_i, l_i = _attend_block(
+                acc, m_i, l_i, b_q, k_base + kstart * stride_kt + k_offs,
+                v_base + kstart * stride_vt + v_offs, kstart + o_n, o_m, k_len, qk_scale, row_ok,
+                m_dk, m_dv, True, True, EVEN_D, IS_FP32, FOLD_SCALE)
+        # NOTE: the unmasked loop runs last, when the prologue's [NNZ_P2]
+        # vectors are dead: it is the hot loop and needs every register.
+        for j in range(s_a * SUB, (s_a + n_fast) * SUB):
+            c = tl.load(p_col + j // SUB)
+            kstart = (c * BLOCK_SIZE + (j % SUB) * BLOCK_N).to(tl.int64)
+            acc, m_i, l_i = _attend_block(
+                acc, m_i, l_i, b_q, k_base + kstart * stride_kt + k_offs,
+                v_base + kstart * stride_vt + v_offs, kstart + o_n, o_m, k_len, qk_scale, m_m,
+                m_dk, m_dv, False, False, EVEN_D, IS_FP32, FOLD_SCALE)
     else:
         # q_block_size = GROUP rows: attend to the union of the group's rows,
         # each column once (a column already in an earlier row is dropped)
@@ -225,7 +300,7 @@ def _bsattn_fwd_kernel(
                 acc, m_i, l_i = _attend_block(
                     acc, m_i, l_i, b_q, k_base + kstart * stride_kt + k_offs,
                     v_base + kstart * stride_vt + v_offs, kstart + o_n, o_m, k_len, qk_scale,
-                    drop, m_dk, m_dv, True, True, EVEN_D, IS_FP32)
+                    (o_m * 0 + drop) == 0, m_dk, m_dv, True, True, EVEN_D, IS_FP32, FOLD_SCALE)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     b_o = acc / l_safe[:, None]
@@ -238,7 +313,7 @@ def _bsattn_decode_kernel(
     # input pointers
     q_ptr, k_ptr, v_ptr, cu_k_ptr, crow_ptr, col_ptr,
     # output pointers
-    out_ptr, part_o_ptr, part_lse_ptr,
+    out_ptr, part_ptr,
     # constexprs
     num_heads: tl.constexpr, head_size: tl.constexpr, num_queries_per_kv: tl.constexpr,
     stride_qt: tl.constexpr, stride_qh: tl.constexpr, stride_kt: tl.constexpr,
@@ -246,7 +321,8 @@ def _bsattn_decode_kernel(
     stride_ot: tl.constexpr, stride_oh: tl.constexpr, stride_crow_h: tl.constexpr,
     stride_col_h: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, EVEN_D: tl.constexpr, QK_SCALE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, MIN_PER_SPLIT: tl.constexpr, LSE_OFFSET: tl.constexpr,
+    EVEN_D: tl.constexpr, QK_SCALE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     i_h = pid % num_heads
@@ -261,7 +337,7 @@ def _bsattn_decode_kernel(
     SUB: tl.constexpr = BLOCK_SIZE // BLOCK_N
     start = tl.load(p_crow + qb) * SUB
     n = tl.load(p_crow + qb + 1) * SUB - start
-    per = (n + NUM_SPLITS - 1) // NUM_SPLITS
+    per = tl.maximum((n + NUM_SPLITS - 1) // NUM_SPLITS, MIN_PER_SPLIT)
     lo = start + i_s * per
     hi = tl.minimum(lo + per, start + n)
 
@@ -308,20 +384,20 @@ def _bsattn_decode_kernel(
     else:
         row = (i_b * num_heads + i_h) * NUM_SPLITS + i_s
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
-        tl.store(part_o_ptr + row.to(tl.int64) * head_size + o_d, b_o, mask=m_d)
-        tl.store(part_lse_ptr + row, lse)
+        tl.store(part_ptr + row.to(tl.int64) * head_size + o_d, b_o, mask=m_d)
+        tl.store(part_ptr + LSE_OFFSET + row, lse)
 
 
 @triton.jit
 def _bsattn_combine_kernel(
     # input pointers
-    part_o_ptr, part_lse_ptr,
+    part_ptr,
     # output pointers
     out_ptr,
     # constexprs
     num_heads: tl.constexpr, head_size: tl.constexpr, stride_ot: tl.constexpr,
     stride_oh: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, S_P2: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, LSE_OFFSET: tl.constexpr, S_P2: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
     i_h = pid % num_heads
@@ -331,12 +407,12 @@ def _bsattn_combine_kernel(
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < head_size
     rows = (i_b * num_heads + i_h) * NUM_SPLITS + o_s
-    b_lse = tl.load(part_lse_ptr + rows, mask=m_s, other=float("-inf"))   # [S_P2]
+    b_lse = tl.load(part_ptr + LSE_OFFSET + rows, mask=m_s, other=float("-inf"))   # [S_P2]
     m = _max(b_lse, 0)
     m_use = tl.where(m == float("-inf"), 0.0, m)
     w = tl.math.exp2(b_lse - m_use)
     w_sum = _sum(w, 0)
-    b_o = tl.load(part_o_ptr + rows.to(tl.int64)[:, None] * head_size + o_d[None, :],
+    b_o = tl.load(part_ptr + rows.to(tl.int64)[:, None] * head_size + o_d[None, :],
                   mask=m_s[:, None] & m_d[None, :], other=0.0)             # [S_P2, BLOCK_D]
     out = _sum(w[:, None] * b_o, 0) / tl.where(w_sum == 0.0, 1.0, w_sum)
     tl.store(out_ptr + i_b.to(tl.int64) * stride_ot + i_h * stride_oh + o_d,

@@ -9,20 +9,32 @@ from .kernels import LOG2E, _bsattn_combine_kernel, _bsattn_decode_kernel, _bsat
 
 MAX_HEAD_SIZE = 256
 BLOCK_SIZES = (16, 32, 64, 128, 256)
-# NOTE: H200 has 132 SMs; decode splits (8 programs per SM: 2 per SM gave 25.5 us
-# at 1x16384, 1.9 TB/s) a row's key blocks until about
-# DECODE_TARGET_PROGRAMS programs are in flight (flash-decoding). Framework-free
-# code cannot ask the device, so the number is fixed here.
+# NOTE: decode splits a row's key blocks (flash-decoding) into
+# max(DECODE_TARGET_PROGRAMS / (B * Hq), row bound / DECODE_TILES_PER_SPLIT)
+# splits (H200: 132 SMs; the row bound is what the layout's shape allows, the
+# real row is often shorter), each split taking at least DECODE_MIN_PER_SPLIT
+# tiles at run time (the rest exit at once). Measured on the H200 (GPU time in
+# a CUDA graph, Phi-3-small): 1x16384 33 splits w4 20.6 us, 23 w2 16.2 us,
+# 33 w2 16.8 us, 23 w8 32.7 us; 64x4096 1 split w4 479 us, 4-9 w4 375-385 us,
+# 9 w2 288 us, 9 w8 618 us. Framework-free code cannot ask the device, so the
+# numbers are fixed here.
 DECODE_TARGET_PROGRAMS = 8 * 132
+DECODE_TILES_PER_SPLIT = 8
+DECODE_MIN_PER_SPLIT = 2
+DECODE_WARPS = 2
 # NOTE: shared memory per CTA on Hopper is 227 KiB; keep Q + stages x (K + V)
 # under this so large D / fp32 still compile.
 SMEM_BUDGET = 200 * 1024
 
 
-def _prefill_config(block_size, d_pad, itemsize, block_m, block_n, num_warps, num_stages):
-    # NOTE: 64 x 64 tiles (one warpgroup per tile) match the 64-token layout
-    # rows of the models this serves; a tile never spans two layout rows, so
-    # no per-row membership mask is needed. Tuned in benchmarks/bench_blocksparse_attention.py.
+def _prefill_config(block_size, d_pad, itemsize, group, block_m, block_n, num_warps, num_stages):
+    # NOTE: 64 x 64 tiles (one warpgroup, 4 warps, 3 stages: 2 CTAs per SM)
+    # match the 64-token layout rows of the models this serves. Measured on the
+    # H200 at 1x16384 (Phi-3-small): 64x64 w4 s3 1431 us; two-row 128 x 64
+    # tiles (block_m = 2 * block_size, supported) w8 s2 1709 us, w8 s3 1733 us,
+    # w4 s2 2138 us, 128x32 w8 s3 2253 us (255 registers: one CTA per SM, the
+    # two warpgroups wait on each other); (64,64,8,3) 0.48x, (32,64,4,3) 0.43x,
+    # (64,64,4,4) 0.62x the default's speed. See benchmarks/sweep_blocksparse.py.
     bm = block_m or min(block_size, 64)
     bn = block_n or min(block_size, 64)
     stages = num_stages or 3
@@ -35,7 +47,7 @@ def _prefill_config(block_size, d_pad, itemsize, block_m, block_n, num_warps, nu
             bm //= 2
         else:
             break
-    warps = num_warps or (4 if d_pad <= 128 else 8)
+    warps = num_warps or (8 if bm >= 128 or d_pad > 128 else 4)
     return bm, bn, warps, stages
 
 
@@ -147,39 +159,47 @@ def plan_blocksparse_attention(
 
     if decode_only and group == 1 and use_decode_kernel:
         bn = min(block_size, 64)
+        row_bound = cdiv(min(col.shape[-1], nb) * block_size, bn)   # K/V tiles in a row, at most
         if decode_splits is None:
-            row_bound = cdiv(min(col.shape[-1], nb) * block_size, bn)
-            splits = max(1, min(cdiv(DECODE_TARGET_PROGRAMS, b * hq), row_bound, 64))
+            splits = max(1, min(max(cdiv(DECODE_TARGET_PROGRAMS, b * hq),
+                                    cdiv(row_bound, DECODE_TILES_PER_SPLIT)), row_bound, 64))
         else:
             splits = int(decode_splits)
-        # one split writes the output directly; the scratch is then a 1-element dummy
-        # (a distinct name: the JAX executor makes one buffer per output name)
-        buffers["part_o"] = Buffer((b, hq, splits, d) if splits > 1 else (1,), "float32")
-        buffers["part_lse"] = Buffer((b, hq, splits) if splits > 1 else (1,), "float32")
-        part = ("part_o", "part_lse")
+        # one split writes the output directly; the scratch is then a 1-element dummy.
+        # Partial outputs [B, Hq, S, D] then their log2-sum-exps [B, Hq, S], in one
+        # fp32 buffer (one allocation less per call: host time).
+        lse_offset = b * hq * splits * d
+        buffers["partials"] = Buffer((lse_offset + b * hq * splits,) if splits > 1 else (1,),
+                                     "float32")
+        part = ("partials",)
         decode = Launch(
             kernel=_bsattn_decode_kernel, grid=(b * hq * splits,),
             args=("q", "k", "v", "cu_seqlens_k", "crow", "col"),
             outputs=("output", *part),
             constexprs=dict(num_heads=hq, head_size=d, num_queries_per_kv=hq // hkv,
                             **layout_consts, BLOCK_SIZE=block_size, BLOCK_N=bn, BLOCK_D=d_pad,
-                            NUM_SPLITS=splits, EVEN_D=even_d, QK_SCALE=qk_scale),
-            num_warps=num_warps or 4, num_stages=num_stages or 2)
+                            NUM_SPLITS=splits, MIN_PER_SPLIT=DECODE_MIN_PER_SPLIT,
+                            LSE_OFFSET=lse_offset, EVEN_D=even_d, QK_SCALE=qk_scale),
+            num_warps=num_warps or DECODE_WARPS, num_stages=num_stages or 2)
         launches = [decode]
         if splits > 1:
             launches.append(Launch(
                 kernel=_bsattn_combine_kernel, grid=(b * hq,),
-                args=("part_o", "part_lse"),
+                args=("partials",),
                 outputs=("output",),
                 constexprs=dict(num_heads=hq, head_size=d, stride_ot=out_strides[0],
-                                stride_oh=out_strides[1], NUM_SPLITS=splits, S_P2=next_pow2(splits), BLOCK_D=d_pad),
+                                stride_oh=out_strides[1], NUM_SPLITS=splits, LSE_OFFSET=lse_offset, S_P2=next_pow2(splits),
+                                BLOCK_D=d_pad),
                 num_warps=4, num_stages=1))
         return Plan(buffers, tuple(launches), ("output",))
 
-    bm, bn, warps, stages = _prefill_config(block_size, d_pad, ITEMSIZE[q.dtype],
+    bm, bn, warps, stages = _prefill_config(block_size, d_pad, ITEMSIZE[q.dtype], group,
                                             block_m, block_n, num_warps, num_stages)
-    if block_size % bm or block_size % bn:
-        raise ValueError(f"block_m/block_n must divide block_size={block_size}, got {bm}/{bn}")
+    rows = 2 if bm == 2 * block_size else 1
+    if (block_size % bm and rows == 1) or block_size % bn or (rows == 2 and group != 1) \
+            or bn < 16:
+        raise ValueError(f"block_m must divide block_size={block_size} (or be twice it, without "
+                         f"q_block_size) and block_n (>= 16, tl.dot) divide it, got {bm}/{bn}")
     q_tokens = b if decode_only else tq
     # tiles of one sequence <= ceil(q_len / BM) + 1 (alignment) and <= ceil(max_seqlen / BM)
     n_flat = min(cdiv(q_tokens, bm) + 2 * b, b * cdiv(max_seqlen, bm))
@@ -191,6 +211,6 @@ def plan_blocksparse_attention(
                         **layout_consts, BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d_pad, GROUP=group,
                         B_P2=max(2, next_pow2(b)), NNZ_P2=max(2, next_pow2(min(col.shape[-1], nb))),
                         CNT_CHUNK=64, DECODE_Q=decode_only, EVEN_D=even_d,
-                        IS_FP32=q.dtype == "float32", QK_SCALE=qk_scale),
+                        IS_FP32=q.dtype == "float32", QK_SCALE=qk_scale, ROWS=rows),
         num_warps=warps, num_stages=stages)
     return Plan(buffers, (launch,), ("output",))

@@ -1,0 +1,131 @@
+"""One-call tuning sweep for block-sparse attention on the GPU (prefill tiles, decode splits).
+
+    python3 -m benchmarks.sweep_blocksparse      (writes $OUT/sweep_blocksparse.json)
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+from adapters.torch._executor import info, run_plan
+from benchmarks.bench_blocksparse_attention import allowed_pairs
+from benchmarks.registry import BLOCKSPARSE_MODEL as M
+from benchmarks.timing import host_overhead, kernel_time_torch
+from core_kernels.blocksparse_attention import get_sparse_attn_mask, plan_blocksparse_attention
+import adapters.torch as at
+
+OUT = os.environ.get("OUT", "results")
+HQ, HKV, D, BS = M["hq"], M["hkv"], M["d"], M["block_size"]
+rows = []
+
+
+def graph_us(fn, n_sets, reps_per_set=4):
+    reps = reps_per_set * n_sets
+    fn(0)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for r in range(reps):
+            fn(r % n_sets)
+    g.replay()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(10):
+        s.record()
+        g.replay()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e) * 1e3 / reps)
+    return float(np.median(ts))
+
+
+def shape(lens_k, lens_q):
+    max_seqlen = max(lens_k)
+    (crow_np, col_np), bm = get_sparse_attn_mask(HQ, max_seqlen, BS, M["local_blocks"], M["vert_stride"],
+                                                 M["homo_head"])
+    crow, col = torch.from_numpy(crow_np.copy()).cuda(), torch.from_numpy(col_np.copy()).cuda()
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32, device="cuda")
+    cu_q = None if lens_q is None else torch.tensor(np.concatenate([[0], np.cumsum(lens_q)]),
+                                                    dtype=torch.int32, device="cuda")
+    tk, tq = sum(lens_k), (len(lens_k) if lens_q is None else sum(lens_q))
+    n_sets = 3 if tk * HKV * D * 4 > (256 << 20) else 6
+    sets = [(torch.randn(tq, HQ, D, device="cuda", dtype=torch.bfloat16),
+             torch.randn(tk, HKV, D, device="cuda", dtype=torch.bfloat16),
+             torch.randn(tk, HKV, D, device="cuda", dtype=torch.bfloat16)) for _ in range(n_sets)]
+    flops = 4 * D * allowed_pairs(bm, lens_k, lens_q, BS)
+    return dict(crow=crow, col=col, cu_k=cu_k, cu_q=cu_q, sets=sets, flops=flops, max_seqlen=max_seqlen)
+
+
+def variant(sh, **cfg):
+    q0, k0, v0 = sh["sets"][0]
+    cu_q = sh["cu_q"]
+    plan = plan_blocksparse_attention(info(q0), info(k0), info(v0), info(sh["cu_k"]),
+                                      None if cu_q is None else info(cu_q), info(sh["crow"]),
+                                      info(sh["col"]), block_size=BS, max_seqlen=sh["max_seqlen"], **cfg)
+
+    def fn(i=0):
+        q, k, v = sh["sets"][i]
+        return run_plan(plan, dict(q=q, k=k, v=v, cu_seqlens_k=sh["cu_k"], cu_seqlens_q=cu_q,
+                                   crow=sh["crow"], col=sh["col"]), None, q.device)["output"]
+    return fn
+
+
+def record(name, label, sh, fn, graph=False):
+    t0 = time.time()
+    try:
+        t = kernel_time_torch(fn, rep_ms=100)
+        row = dict(name=name, variant=label, time_us=t * 1e6, tflops=sh["flops"] / t / 1e12)
+        if graph:
+            row["gpu_us"] = graph_us(fn, len(sh["sets"]))
+    except Exception as e:  # noqa: BLE001
+        row = dict(name=name, variant=label, error=str(e)[:300])
+    row["wall_s"] = round(time.time() - t0, 1)
+    print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    rows.append(row)
+    json.dump(rows, open(os.path.join(OUT, "sweep_blocksparse.json"), "w"), indent=1)
+
+
+def main():
+    os.makedirs(OUT, exist_ok=True)
+    what = sys.argv[1:] or ["prefill", "decode"]
+    if "prefill" in what:
+        sh = shape([16384], [16384])
+        ref = variant(sh, block_m=128, block_n=64, num_warps=8, num_stages=2)(0).float()
+        new = variant(sh)(0).float()
+        print("prefill rows=2 vs rows=1 max abs diff", (ref - new).abs().max().item(), flush=True)
+        for cfg in [dict(), dict(block_m=128, block_n=64, num_warps=8, num_stages=2),
+                    dict(block_m=64, block_n=64, num_warps=4, num_stages=4)]:
+            record("prefill-1x16384", str(cfg or "default"), sh, variant(sh, **cfg))
+        del sh
+        sh = shape([4096] * 4, [4096] * 4)
+        for cfg in [dict()]:
+            record("prefill-4x4096", str(cfg or "default"), sh, variant(sh, **cfg))
+        del sh
+        torch.cuda.empty_cache()
+    if "decode" in what:
+        sh = shape([16384], None)
+        for s, w in [(None, None), (23, 2), (16, 2), (46, 2), (23, 1), (33, 1), (12, 2)]:
+            record("decode-1x16384", f"splits{s}-w{w}", sh, variant(sh, decode_splits=s, num_warps=w),
+                   graph=True)
+        q, k, v = sh["sets"][0]
+        h = host_overhead(lambda: at.blocksparse_flash_attn_varlen_fwd(
+            q, k, v, sh["cu_k"], None, None, (sh["crow"], sh["col"]), block_size=BS,
+            max_seqlen=sh["max_seqlen"]), "torch", reps=500) * 1e6
+        print("torch host us per decode call", h, flush=True)
+        rows.append(dict(name="decode-1x16384", variant="host", host_us=h))
+        del sh
+        sh = shape([4096] * 64, None)
+        for s, w in [(None, None), (4, 2), (6, 2), (12, 2), (16, 2), (8, 1), (4, 1), (12, 1)]:
+            record("decode-64x4096", f"splits{s}-w{w}", sh, variant(sh, decode_splits=s, num_warps=w),
+                   graph=True)
+    json.dump(rows, open(os.path.join(OUT, "sweep_blocksparse.json"), "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -25,7 +25,9 @@ PREFILL_VARIANTS = [  # (block_m, block_n, num_warps, num_stages); None = the pl
 ]
 # first H200 run: (64,64,8,3) 0.48x, (32,64,4,3) 0.43x, (64,64,4,4) 0.62x the default's speed
 # (128,64,8,2): two layout rows per tile (1709 us at 1x16384 vs 1431 for the default)
-DECODE_SPLITS = [None, 4, 16]  # decode_splits variants; None = the plan's default
+# decode variants: (decode_group, decode_splits); None = the plan's default. decode_group:
+# False = per-head kernel, True = GQA-packed (one program per KV head reads the union of blocks)
+DECODE_SPLITS = [None, (False, None), (True, None), (None, 4), (None, 16)]
 
 
 def allowed_pairs(block_mask, lens_k, lens_q, bs):
@@ -58,7 +60,10 @@ def run():
     bw = copy_bandwidth()
     print(f"measured: bf16 matmul {peak / 1e12:.0f} TFLOP/s, copy {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
+    only = os.environ.get("BLOCKSPARSE_ONLY")   # e.g. "decode": rows whose name holds it
     for name, lens_k, lens_q in BLOCKSPARSE_SHAPES:
+        if only and only not in name:
+            continue
         max_seqlen = max(lens_k)
         (crow_np, col_np), block_mask = get_sparse_attn_mask(
             hq, max_seqlen, bs, m["local_blocks"], m["vert_stride"], m["homo_head"])
@@ -74,11 +79,13 @@ def run():
                  torch.randn(tk, hkv, d, device="cuda", dtype=dt),
                  torch.randn(tk, hkv, d, device="cuda", dtype=dt)) for _ in range(n_sets)]
         flops = 4 * d * allowed_pairs(block_mask, lens_k, lens_q, bs)
-        # bytes the kernel must read: K and V of the allowed blocks per query head (+ q, out)
+        # bytes the kernel must read: K and V of the UNIQUE allowed blocks per KV head (the
+        # union over its query heads' rows; the GQA-packed decode reads each once)
         kv_bytes = 0
         for kl in lens_k if decode else []:
             qb = (kl - 1) // bs
-            kv_bytes += int(block_mask[:, qb, :qb + 1].sum()) * bs * d * 2 * 2
+            rows = block_mask[:, qb, :qb + 1].reshape(hkv, hq // hkv, qb + 1).any(axis=1)
+            kv_bytes += int(rows.sum()) * bs * d * 2 * 2
         q0, k0, v0 = sets[0]
 
         def ours(i=0, **cfg):
@@ -109,8 +116,8 @@ def run():
                 label = "default"
             else:
                 if decode:
-                    cfg = dict(decode_splits=var)
-                    label = f"splits{var}"
+                    cfg = dict(decode_group=var[0], decode_splits=var[1])
+                    label = f"group{var[0]}-splits{var[1]}"
                 else:
                     bm, bn, nw, ns = var
                     cfg = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)

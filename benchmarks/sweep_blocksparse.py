@@ -109,21 +109,38 @@ def main():
         del sh
         torch.cuda.empty_cache()
     if "decode" in what:
-        sh = shape([16384], None)
-        for s, w in [(None, None), (23, 2), (16, 2), (46, 2), (23, 1), (33, 1), (12, 2)]:
-            record("decode-1x16384", f"splits{s}-w{w}", sh, variant(sh, decode_splits=s, num_warps=w),
-                   graph=True)
-        q, k, v = sh["sets"][0]
-        h = host_overhead(lambda: at.blocksparse_flash_attn_varlen_fwd(
-            q, k, v, sh["cu_k"], None, None, (sh["crow"], sh["col"]), block_size=BS,
-            max_seqlen=sh["max_seqlen"]), "torch", reps=500) * 1e6
-        print("torch host us per decode call", h, flush=True)
-        rows.append(dict(name="decode-1x16384", variant="host", host_us=h))
-        del sh
-        sh = shape([4096] * 64, None)
-        for s, w in [(None, None), (4, 2), (6, 2), (12, 2), (16, 2), (8, 1), (4, 1), (12, 1)]:
-            record("decode-64x4096", f"splits{s}-w{w}", sh, variant(sh, decode_splits=s, num_warps=w),
-                   graph=True)
+        # per-head kernel (decode_group=False) vs GQA-packed (splits, chunk, warps, stages)
+        for lens, old, grp in [
+            ([16384], [(None, None), (23, 2)],
+             [(None, None, None, None), (64, 4, 4, 3), (32, 8, 4, 3), (32, 4, 4, 3), (16, 16, 4, 3),
+              (64, 4, 2, 3), (128, 2, 4, 3), (32, 8, 4, 4), (16, 8, 4, 3), (64, 4, 8, 3),
+              (64, 4, 4, 4), (32, 8, 2, 3)]),
+            ([4096] * 64, [(None, None), (9, 2)],
+             [(None, None, None, None), (2, 32, 4, 3), (1, 32, 4, 3), (4, 16, 4, 3), (2, 32, 2, 3),
+              (4, 16, 2, 3), (8, 8, 4, 3), (2, 32, 4, 4), (1, 32, 2, 3)]),
+        ]:
+            sh = shape(lens, None)
+            name = f"decode-{len(lens)}x{lens[0]}"
+            ref = variant(sh, decode_group=False)(0).float()
+            for s, w in old:
+                record(name, f"perhead-splits{s}-w{w}", sh,
+                       variant(sh, decode_group=False, decode_splits=s, num_warps=w), graph=True)
+            for s, c, w, st in grp:
+                fn = variant(sh, decode_group=True, decode_splits=s, decode_chunk=c, num_warps=w,
+                             num_stages=st)
+                print("max abs diff vs per-head", (fn(0).float() - ref).abs().max().item(), flush=True)
+                record(name, f"group-splits{s}-chunk{c}-w{w}-s{st}", sh, fn, graph=True)
+            del sh, ref
+            torch.cuda.empty_cache()
+    if "crossover" in what:
+        # per-head vs GQA-packed by batch size (the plan's DECODE_GROUP_MIN_PROGRAMS)
+        for lens in ([16384], [4096] * 4, [4096] * 8, [4096] * 16, [16384] * 4):
+            sh = shape(lens, None)
+            name = f"decode-{len(lens)}x{lens[0]}"
+            for grp in (False, True):
+                record(name, f"group={grp}", sh, variant(sh, decode_group=grp), graph=True)
+            del sh
+            torch.cuda.empty_cache()
     json.dump(rows, open(os.path.join(OUT, "sweep_blocksparse.json"), "w"), indent=1)
 
 

@@ -170,6 +170,46 @@ def random_user_layout(g, n_heads, nb):
     return dense_to_crow_col(mask), mask
 
 
+# GQA-packed decode: one program per KV head walks the union of its query heads' rows.
+# (hq, hkv, d, block_size, layout, decode_chunk, decode_splits)
+GROUP_DECODE_CASES = {
+    "G4-perhead-default": (8, 2, 24, 16, "perhead", None, None),
+    "G3-user-chunk2-sub": (6, 2, 16, 16, "user", 2, 3),
+    "G24-two-headblocks": (24, 1, 16, 16, "perhead", 4, 1),
+    "G1-forced-bs128": (2, 2, 16, 128, "perhead", 2, 2),
+}
+
+
+def run_plan_torch(q, k, v, cu_k, crow, col, block_size, **cfg):
+    from adapters.torch._executor import info, run_plan
+    t = dict(q=to_torch(q), k=to_torch(k), v=to_torch(v), cu_seqlens_k=to_torch(cu_k),
+             crow=to_torch(np.ascontiguousarray(crow)), col=to_torch(np.ascontiguousarray(col)))
+    plan = plan_blocksparse_attention(*(info(t[n]) for n in ("q", "k", "v", "cu_seqlens_k")), None,
+                                      info(t["crow"]), info(t["col"]), block_size=block_size, **cfg)
+    names = [l.kernel.__name__ if hasattr(l.kernel, "__name__") else l.kernel.fn.__name__
+             for l in plan.launches]
+    out = run_plan(plan, t, None, t["q"].device)["output"]
+    return torch_to_numpy(out), names
+
+
+@pytest.mark.parametrize("case", list(GROUP_DECODE_CASES))
+def test_decode_group_packed(case):
+    hq, hkv, d, bs, kind, chunk, splits = GROUP_DECODE_CASES[case]
+    g = rng()
+    nb = 8 if bs == 16 else 3
+    lens = [1, nb * bs, 17, int(g.integers(2, nb * bs))]
+    if kind == "user":
+        (crow, col), mask = random_user_layout(g, hq, nb)
+    else:
+        (crow, col), _ = get_sparse_attn_mask(hq, nb * bs, bs, 2, 3, False)
+        mask = formula_block_mask(hq, nb, 2, 3, False)
+    q, k, v, cu_k, _ = make_batch(lens, None, hq, hkv, d, "float32")
+    out, names = run_plan_torch(q, k, v, cu_k, crow, col, bs, decode_group=True,
+                                decode_chunk=chunk, decode_splits=splits)
+    assert "_bsattn_decode_group_kernel" in names
+    assert_close(out, reference(q, k, v, cu_k, None, mask, bs), "float32", case, scale=2.0)
+
+
 @pytest.mark.parametrize("adapter", ADAPTERS)
 @pytest.mark.parametrize("qbs", [None, 32])
 def test_user_supplied_layout(adapter, qbs):
@@ -336,6 +376,14 @@ def test_gpu_phi3_small_vs_reference_and_bitwise(dtype):
     j = run("jax", qd, kd, vd, cu_kd, None, (crow, col), block_size=64, jit=True)
     assert_bitwise_equal(t, j, "decode torch vs jax")
     assert_close(t, reference(qd, kd, vd, cu_kd, None, mask, 64), dtype, "phi3-small decode")
+    # decode-only batch of 8 x 8 KV heads: the GQA-packed kernel (varlen, split), bitwise too
+    lens = [4096, 1, 64, 65, 1000, 3000, 4095, 2049]
+    qd, kd, vd, cu_kd, _ = make_batch(lens, None, 32, 8, 128, dtype)
+    t = run("torch", qd, kd, vd, cu_kd, None, (crow, col), block_size=64)
+    j = run("jax", qd, kd, vd, cu_kd, None, (crow, col), block_size=64, jit=True)
+    assert_bitwise_equal(t, j, "packed decode torch vs jax")
+    assert_close(t, reference(qd, kd, vd, cu_kd, None, mask, 64), dtype, "phi3-small packed decode")
+    assert "_bsattn_decode_group_kernel" in run_plan_torch(qd, kd, vd, cu_kd, crow, col, 64)[1]
 
 
 @requires_gpu

@@ -417,3 +417,124 @@ def _bsattn_combine_kernel(
     out = _sum(w[:, None] * b_o, 0) / tl.where(w_sum == 0.0, 1.0, w_sum)
     tl.store(out_ptr + i_b.to(tl.int64) * stride_ot + i_h * stride_oh + o_d,
              out.to(out_ptr.dtype.element_ty), mask=m_d)
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _bsattn_decode_group_kernel(
+    # input pointers
+    q_ptr, k_ptr, v_ptr, cu_k_ptr, crow_ptr, col_ptr,
+    # output pointers
+    out_ptr, part_ptr,
+    # constexprs
+    num_heads: tl.constexpr, head_size: tl.constexpr, num_queries_per_kv: tl.constexpr,
+    stride_qt: tl.constexpr, stride_qh: tl.constexpr, stride_kt: tl.constexpr,
+    stride_kh: tl.constexpr, stride_vt: tl.constexpr, stride_vh: tl.constexpr,
+    stride_ot: tl.constexpr, stride_oh: tl.constexpr, stride_crow_h: tl.constexpr,
+    stride_col_h: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEADS: tl.constexpr, CHUNK: tl.constexpr, CNT_CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    NUM_SUB: tl.constexpr, LSE_OFFSET: tl.constexpr, EVEN_D: tl.constexpr, IS_FP32: tl.constexpr,
+    QK_SCALE: tl.constexpr,
+):
+    """Decode with GQA packing: one program = HEADS query heads of one KV head.
+
+    The heads' query rows are the M rows of the dots, so each K/V block of the
+    UNION of their layout rows is loaded once; a head whose row lacks the block
+    masks it (-inf scores). Key blocks are cut into CHUNK-block chunks of
+    absolute positions; split i_s takes chunks i_s, i_s + NUM_SPLITS, ...
+    (interleaved: the dense local window spreads over the splits). Per chunk,
+    each head's membership is a bitmask (bit x: block b0 + x); the loop walks
+    the set bits of their OR, lowest first.
+    """
+    pid = tl.program_id(0)
+    N_HB: tl.constexpr = (num_queries_per_kv + HEADS - 1) // HEADS
+    num_kv: tl.constexpr = num_heads // num_queries_per_kv
+    i_hb = pid % N_HB
+    i_kvh = (pid // N_HB) % num_kv
+    i_s = (pid // (N_HB * num_kv)) % NUM_SPLITS
+    i_b = pid // (N_HB * num_kv * NUM_SPLITS)
+    k_lo = tl.load(cu_k_ptr + i_b)
+    k_len = tl.load(cu_k_ptr + i_b + 1) - k_lo
+    q_pos = k_len - 1
+    qb = tl.maximum(q_pos, 0) // BLOCK_SIZE
+
+    # this program's heads: [HEADS] for the layout, [BLOCK_M] (>= 16, tl.dot) for the tiles
+    o_g = tl.arange(0, HEADS)
+    m_g = i_hb * HEADS + o_g < num_queries_per_kv
+    h_g = i_kvh * num_queries_per_kv + i_hb * HEADS + o_g
+    o_m = tl.arange(0, BLOCK_M)
+    m_m = (o_m < HEADS) & (i_hb * HEADS + o_m < num_queries_per_kv)
+    h_m = i_kvh * num_queries_per_kv + i_hb * HEADS + o_m
+    p_crow = crow_ptr + h_g * stride_crow_h + qb
+    start_g = tl.load(p_crow, mask=m_g, other=0)
+    len_g = tl.load(p_crow + 1, mask=m_g, other=0) - start_g
+    p_col_g = col_ptr + h_g * stride_col_h + start_g                     # [HEADS]
+    max_len = _max(len_g, 0)
+
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < head_size
+    b_q = tl.load(q_ptr + i_b.to(tl.int64) * stride_qt + h_m[:, None] * stride_qh + o_d[None, :],
+                  mask=m_m[:, None] & m_d[None, :], other=0.0)             # [BLOCK_M, BLOCK_D]
+    qk_scale = QK_SCALE
+    FOLD_SCALE: tl.constexpr = QK_SCALE > 0
+    k_base = k_ptr + k_lo.to(tl.int64) * stride_kt + i_kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + k_lo.to(tl.int64) * stride_vt + i_kvh.to(tl.int64) * stride_vh
+    o_n = tl.arange(0, BLOCK_N)
+    k_offs = o_n[None, :] * stride_kt + o_d[:, None]                      # [BLOCK_D, BLOCK_N]: K^T
+    v_offs = o_n[:, None] * stride_vt + o_d[None, :]                      # [BLOCK_N, BLOCK_D]
+    m_dk = m_d[:, None]
+    m_dv = m_d[None, :]
+    q_pos_m = o_m * 0 + q_pos
+    SUB: tl.constexpr = BLOCK_SIZE // BLOCK_N
+    o_c = tl.arange(0, CNT_CHUNK)
+    o_x = tl.arange(0, CHUNK)
+    o_x64 = o_x.to(tl.int64)                                              # int64 bit masks
+
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    for sc in range(NUM_SUB):
+        b0 = (i_s + sc * NUM_SPLITS) * CHUNK
+        # per head: bit x set iff its row holds block b0 + x (columns are distinct)
+        bits_g = (o_g * 0).to(tl.int64)
+        for off in range(0, max_len, CNT_CHUNK):
+            m_c = m_g[:, None] & (off + o_c[None, :] < len_g[:, None])
+            b_c = tl.load(p_col_g[:, None] + off + o_c[None, :], mask=m_c, other=-1) - b0
+            hit = (b_c >= 0) & (b_c < CHUNK)                               # [HEADS, CNT_CHUNK]
+            bit = hit.to(tl.int64) << tl.where(hit, b_c, 0).to(tl.int64)
+            bits_g = bits_g | tl.reduce(bit, 1, _or)
+        # blocks past the query's block are fully masked: drop them
+        keep = _sum((o_x < qb + 1 - b0).to(tl.int64) << o_x64, 0)
+        bits_g = bits_g & keep
+        bits = tl.reduce(bits_g, 0, _or)                                   # union (scalar)
+        bits_m = _sum(tl.where(o_m[:, None] == o_g[None, :], bits_g[None, :], 0), 1)  # [BLOCK_M]
+        n_u = _sum(((bits >> o_x64) & 1).to(tl.int32), 0)
+        for _ in range(0, n_u):
+            low = bits & (-bits)                                           # lowest set bit
+            bits = bits ^ low
+            # log2 of a power of two: the fp32 exponent field
+            x = (low.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
+            row_ok = (bits_m & low) != 0
+            for t in tl.static_range(SUB):
+                kstart = ((b0 + x) * BLOCK_SIZE + t * BLOCK_N).to(tl.int64)
+                acc, m_i, l_i = _attend_block(
+                    acc, m_i, l_i, b_q, k_base + kstart * stride_kt + k_offs,
+                    v_base + kstart * stride_vt + v_offs, kstart + o_n, q_pos_m, k_len, qk_scale,
+                    row_ok, m_dk, m_dv, True, True, EVEN_D, IS_FP32, FOLD_SCALE)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    b_o = acc / l_safe[:, None]
+    m_o = m_m[:, None] & m_d[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + i_b.to(tl.int64) * stride_ot + h_m[:, None] * stride_oh + o_d[None, :],
+                 b_o.to(out_ptr.dtype.element_ty), mask=m_o)
+    else:
+        row = ((i_b * num_heads + h_m) * NUM_SPLITS + i_s).to(tl.int64)   # [BLOCK_M]
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
+        tl.store(part_ptr + row[:, None] * head_size + o_d[None, :], b_o, mask=m_o)
+        tl.store(part_ptr + LSE_OFFSET + row, lse, mask=m_m)

@@ -5,7 +5,8 @@ import math
 
 from .._plan import (FLOAT_DTYPES, ITEMSIZE, ArrayInfo, Buffer, Launch, Plan, Scalar, cdiv,
                      check_dtype, check_inner_contiguous, check_ndim, memoize, next_pow2)
-from .kernels import LOG2E, _bsattn_combine_kernel, _bsattn_decode_kernel, _bsattn_fwd_kernel
+from .kernels import (LOG2E, _bsattn_combine_kernel, _bsattn_decode_group_kernel,
+                      _bsattn_decode_kernel, _bsattn_fwd_kernel)
 
 MAX_HEAD_SIZE = 256
 BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -22,6 +23,30 @@ DECODE_TARGET_PROGRAMS = 8 * 132
 DECODE_TILES_PER_SPLIT = 8
 DECODE_MIN_PER_SPLIT = 2
 DECODE_WARPS = 2
+# NOTE: the cap at cdiv(row bound, DECODE_MIN_PER_SPLIT) took Phi-3-small
+# 1x16384 from 33 splits (10 always empty, 16.1 us) to 23 (15.5 us, H200).
+#
+# NOTE: GQA-packed decode (_bsattn_decode_group_kernel): one program per
+# (sequence, KV head, split) reads each K/V block of the union of its query
+# heads' rows once (Phi-3-small 64x4096: 671 MB instead of 1.48 GB). Splits
+# take interleaved chunks of DECODE_GROUP_MIN_CHUNK..MAX_CHUNK absolute block
+# positions; the split count aims at DECODE_GROUP_TARGET_PROGRAMS programs.
+# Measured on the H200 (GPU time in a CUDA graph, Phi-3-small, bf16):
+# 64x4096 per-head 276 us, packed 169 us (2 splits x 32-block chunks, w4 s3;
+# w2 171, s4 169, 1 split 178, 4x16 175, 8x8 173); 1x16384 packed 18.8 us
+# (64 x 4, w4 s3; 32x8 19.3, 16x16 23.9, w2 19.5, w8 23.0) vs per-head 15.5:
+# a lone sequence is latency-bound (few blocks per program, a longer
+# prologue), so packing is used only from DECODE_GROUP_MIN_PROGRAMS
+# (sequence, KV head) programs on. Crossover (benchmarks/sweep_blocksparse.py
+# crossover; per-head / packed): B*Hkv = 8 (1x16384) 16.2 / 18.4 us; 32:
+# 4x4096 29.6 / 19.5, 4x16384 51.9 / 47.7; 64 (8x4096) 45.1 / 31.4; 128
+# (16x4096) 76.0 / 54.8. B*Hkv = 16 is not measured.
+DECODE_GROUP_MIN_PROGRAMS = 32
+DECODE_GROUP_TARGET_PROGRAMS = 4 * 132
+DECODE_GROUP_MIN_CHUNK = 4
+DECODE_GROUP_MAX_CHUNK = 32
+DECODE_GROUP_WARPS = 4
+DECODE_GROUP_STAGES = 3
 # NOTE: shared memory per CTA on Hopper is 227 KiB; keep Q + stages x (K + V)
 # under this so large D / fp32 still compile.
 SMEM_BUDGET = 200 * 1024
@@ -59,6 +84,7 @@ def plan_blocksparse_attention(
     max_seqlen: int | None = None, block_m: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None,
     decode_splits: int | None = None, use_decode_kernel: bool = True,
+    decode_group: bool | None = None, decode_chunk: int | None = None,
 ) -> Plan:
     """Plan ``blocksparse_flash_attn_varlen_fwd`` (see the adapters' docstrings).
 
@@ -157,12 +183,22 @@ def plan_blocksparse_attention(
                               "stride_col_h"),
                              (*strides, *out_strides, stride_crow_h, stride_col_h)))
 
+    qpk = hq // hkv
+    if decode_group is None:
+        heads = max(2, min(next_pow2(qpk), 16))
+        decode_group = qpk > 1 and b * hkv * cdiv(qpk, heads) >= DECODE_GROUP_MIN_PROGRAMS
+    if decode_only and group == 1 and use_decode_kernel and decode_group:
+        return _plan_decode_group(buffers, q, d, d_pad, even_d, b, hq, hkv, block_size, max_seqlen,
+                                  layout_consts, qk_scale, decode_splits, decode_chunk, num_warps,
+                                  num_stages)
     if decode_only and group == 1 and use_decode_kernel:
         bn = min(block_size, 64)
         row_bound = cdiv(min(col.shape[-1], nb) * block_size, bn)   # K/V tiles in a row, at most
         if decode_splits is None:
+            # a split below DECODE_MIN_PER_SPLIT tiles never has work: cap there
             splits = max(1, min(max(cdiv(DECODE_TARGET_PROGRAMS, b * hq),
-                                    cdiv(row_bound, DECODE_TILES_PER_SPLIT)), row_bound, 64))
+                                    cdiv(row_bound, DECODE_TILES_PER_SPLIT)),
+                                cdiv(row_bound, DECODE_MIN_PER_SPLIT), 64))
         else:
             splits = int(decode_splits)
         # one split writes the output directly; the scratch is then a 1-element dummy.
@@ -214,3 +250,56 @@ def plan_blocksparse_attention(
                         IS_FP32=q.dtype == "float32", QK_SCALE=qk_scale, ROWS=rows),
         num_warps=warps, num_stages=stages)
     return Plan(buffers, (launch,), ("output",))
+
+
+def _plan_decode_group(buffers, q, d, d_pad, even_d, b, hq, hkv, block_size, max_seqlen,
+                       layout_consts, qk_scale, decode_splits, decode_chunk, num_warps, num_stages):
+    qpk = hq // hkv
+    heads = max(2, min(next_pow2(qpk), 16))        # query heads per program
+    n_hb = cdiv(qpk, heads)
+    block_m = max(16, heads)
+    itemsize = ITEMSIZE[q.dtype]
+    bn = min(block_size, 64)
+    stages = num_stages or DECODE_GROUP_STAGES
+    while (block_m + stages * 2 * bn) * d_pad * itemsize > SMEM_BUDGET:
+        if stages > 1:
+            stages -= 1
+        elif bn > 16:
+            bn //= 2
+        else:
+            break
+    positions = cdiv(max_seqlen, block_size)           # key blocks a row can reach
+    progs = b * hkv * n_hb
+    want = int(decode_splits) if decode_splits else max(1, cdiv(DECODE_GROUP_TARGET_PROGRAMS, progs))
+    if decode_chunk:
+        chunk = int(decode_chunk)
+        if chunk < 2 or chunk > 32 or chunk & (chunk - 1):
+            raise ValueError(f"decode_chunk: expected a power of two in [2, 32], got {chunk}")
+    else:
+        chunk = min(max(next_pow2(cdiv(positions, want)), DECODE_GROUP_MIN_CHUNK),
+                    DECODE_GROUP_MAX_CHUNK)
+    n_chunks = cdiv(positions, chunk)
+    splits = max(1, min(want, n_chunks))
+    n_sub = cdiv(n_chunks, splits)
+    lse_offset = b * hq * splits * d
+    buffers["partials"] = Buffer((lse_offset + b * hq * splits,) if splits > 1 else (1,), "float32")
+    decode = Launch(
+        kernel=_bsattn_decode_group_kernel, grid=(progs * splits,),
+        args=("q", "k", "v", "cu_seqlens_k", "crow", "col"),
+        outputs=("output", "partials"),
+        constexprs=dict(num_heads=hq, head_size=d, num_queries_per_kv=qpk, **layout_consts,
+                        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_D=d_pad,
+                        HEADS=heads, CHUNK=chunk, CNT_CHUNK=64, NUM_SPLITS=splits, NUM_SUB=n_sub,
+                        LSE_OFFSET=lse_offset, EVEN_D=even_d, IS_FP32=q.dtype == "float32",
+                        QK_SCALE=qk_scale),
+        num_warps=num_warps or DECODE_GROUP_WARPS, num_stages=stages)
+    launches = [decode]
+    if splits > 1:
+        launches.append(Launch(
+            kernel=_bsattn_combine_kernel, grid=(b * hq,),
+            args=("partials",), outputs=("output",),
+            constexprs=dict(num_heads=hq, head_size=d, stride_ot=layout_consts["stride_ot"],
+                            stride_oh=layout_consts["stride_oh"], NUM_SPLITS=splits,
+                            LSE_OFFSET=lse_offset, S_P2=next_pow2(splits), BLOCK_D=d_pad),
+            num_warps=4, num_stages=1))
+    return Plan(buffers, tuple(launches), ("output",))

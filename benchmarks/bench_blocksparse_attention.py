@@ -84,8 +84,8 @@ def run():
         kv_bytes = 0
         for kl in lens_k if decode else []:
             qb = (kl - 1) // bs
-            rows = block_mask[:, qb, :qb + 1].reshape(hkv, hq // hkv, qb + 1).any(axis=1)
-            kv_bytes += int(rows.sum()) * bs * d * 2 * 2
+            union = block_mask[:, qb, :qb + 1].reshape(hkv, hq // hkv, qb + 1).any(axis=1)
+            kv_bytes += int(union.sum()) * bs * d * 2 * 2
         q0, k0, v0 = sets[0]
 
         def ours(i=0, **cfg):

@@ -13,8 +13,8 @@ import os
 import numpy as np
 
 from benchmarks.registry import BLOCKSPARSE_MODEL, BLOCKSPARSE_SHAPES
-from benchmarks.timing import (copy_bandwidth, host_overhead, kernel_time_torch, matmul_tflops,
-                               pipelined_time)
+from benchmarks.timing import (copy_bandwidth, graph_time_torch, host_overhead, kernel_time_torch,
+                               matmul_tflops, pipelined_time)
 
 COLUMNS = ["name", "variant", "time_us", "gpu_us", "tflops", "pct_roofline", "tbps", "host_us",
            "sdpa_us", "speedup_vs_sdpa", "vs_baseline", "jax_torch_ratio"]
@@ -142,24 +142,7 @@ def run():
                 row["vs_baseline"] = BASELINE_US[name] / (t * 1e6)
             if var is None:
                 # GPU time per call without host gaps: a CUDA graph of calls over rotating inputs
-                reps = 4 * n_sets
-                fn(0)
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for r in range(reps):
-                        fn(r % n_sets)
-                g.replay()
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                times = []
-                for _ in range(10):
-                    start.record()
-                    g.replay()
-                    end.record()
-                    torch.cuda.synchronize()
-                    times.append(start.elapsed_time(end) * 1e3 / reps)
-                gpu_us = float(np.median(times))
+                gpu_us = graph_time_torch(fn, n_sets) * 1e6
                 row["gpu_us"] = gpu_us
                 if decode:
                     row["tbps"] = kv_bytes / (gpu_us * 1e-6) / 1e12
@@ -167,7 +150,6 @@ def run():
                     row["tflops"] = flops / (gpu_us * 1e-6) / 1e12
                     if name in BASELINE_US:
                         row["vs_baseline"] = BASELINE_US[name] / (row["time_us"])
-                    del g
                     row["host_us"] = host_overhead(lambda: fn(0), "torch", reps=500) * 1e6
                 # JAX vs torch, pipelined per-call time over rotating inputs
                 jsets = [tuple(jnp.asarray(x.cpu().float().numpy()).astype(jnp.bfloat16) for x in s)

@@ -68,6 +68,19 @@ def make_inputs(seqs, dtype, opts, seed=0):
                 max_input_len=max(q for q, _ in seqs))
 
 
+def configured_call(inp, out, opts, cfg):
+    """The torch call, under ``tile_config(*cfg)`` unless cfg is None."""
+    from core_kernels.prefix_prefill import tile_config
+    base = torch_call(inp, out, opts)
+    if cfg is None:
+        return base
+
+    def call():
+        with tile_config(*cfg):
+            base()
+    return call
+
+
 def torch_call(inp, out, opts):
     import adapters.torch as at
     return lambda: at.context_attention_fwd(
@@ -106,7 +119,6 @@ def run():
     import jax
     import torch
     import adapters.jax as aj
-    from core_kernels.prefix_prefill import tile_config
     m = PREFIX_PREFILL_MODEL
     mm = timing.matmul_tflops()
     rows = [dict(name="dense-bf16-matmul", **{"TFLOP/s": mm / 1e12})]
@@ -118,13 +130,7 @@ def run():
         best = None
         for cfg in configs:
             try:
-                base = torch_call(inp, out, opts)
-                if cfg is None:
-                    call = base
-                else:
-                    def call(base=base, cfg=cfg):
-                        with tile_config(*cfg):
-                            base()
+                call = configured_call(inp, out, opts, cfg)
                 out.fill_(float("nan"))
                 call()
                 torch.cuda.synchronize()

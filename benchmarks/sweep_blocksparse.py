@@ -15,34 +15,13 @@ import torch
 from adapters.torch._executor import info, run_plan
 from benchmarks.bench_blocksparse_attention import allowed_pairs
 from benchmarks.registry import BLOCKSPARSE_MODEL as M
-from benchmarks.timing import host_overhead, kernel_time_torch
+from benchmarks.timing import graph_time_torch, host_overhead, kernel_time_torch
 from core_kernels.blocksparse_attention import get_sparse_attn_mask, plan_blocksparse_attention
 import adapters.torch as at
 
 OUT = os.environ.get("OUT", "results")
 HQ, HKV, D, BS = M["hq"], M["hkv"], M["d"], M["block_size"]
 rows = []
-
-
-def graph_us(fn, n_sets, reps_per_set=4):
-    reps = reps_per_set * n_sets
-    fn(0)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for r in range(reps):
-            fn(r % n_sets)
-    g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(10):
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3 / reps)
-    return float(np.median(ts))
 
 
 def shape(lens_k, lens_q):
@@ -82,7 +61,7 @@ def record(name, label, sh, fn, graph=False):
         t = kernel_time_torch(fn, rep_ms=100)
         row = dict(name=name, variant=label, time_us=t * 1e6, tflops=sh["flops"] / t / 1e12)
         if graph:
-            row["gpu_us"] = graph_us(fn, len(sh["sets"]))
+            row["gpu_us"] = graph_time_torch(fn, len(sh["sets"])) * 1e6
     except Exception as e:  # noqa: BLE001
         row = dict(name=name, variant=label, error=str(e)[:300])
     row["wall_s"] = round(time.time() - t0, 1)

@@ -14,7 +14,7 @@ import os
 import time
 
 from benchmarks import timing
-from benchmarks.bench_prefix_prefill import (check_one_sequence, make_inputs, torch_call,
+from benchmarks.bench_prefix_prefill import (check_one_sequence, configured_call, make_inputs,
                                              useful_flops)
 from benchmarks.registry import PREFIX_PREFILL_MODEL, PREFIX_PREFILL_SHAPES
 
@@ -56,13 +56,7 @@ def main():
         for cfg in configs:
             row = dict(name=name, config=str(cfg))
             try:
-                base = torch_call(inp, out, opts)
-                if cfg is None:
-                    call = base
-                else:
-                    def call(base=base, cfg=cfg):
-                        with pp.tile_config(*cfg):
-                            base()
+                call = configured_call(inp, out, opts, cfg)
                 out.fill_(float("nan"))
                 call()
                 torch.cuda.synchronize()

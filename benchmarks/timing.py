@@ -27,6 +27,31 @@ def kernel_time_torch(fn, warmup_ms=25, rep_ms=200) -> float:
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e-3
 
 
+def graph_time_torch(fn, n_sets: int, reps_per_set: int = 4) -> float:
+    """Median seconds per call of ``fn(i)`` (i = input set) replayed from one
+    CUDA graph of ``reps_per_set * n_sets`` calls over rotating input sets:
+    GPU time without host gaps between launches."""
+    import torch
+    reps = reps_per_set * n_sets
+    fn(0)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for r in range(reps):
+            fn(r % n_sets)
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3 / reps)
+    return statistics.median(times)
+
+
 def pipelined_time(calls, framework: str, reps: int = 200, trials: int = 5) -> float:
     """Median over ``trials`` of (wall time of ``reps`` back-to-back calls) / reps.
 

@@ -7,39 +7,19 @@ import torch
 
 from core_kernels.blocksparse_attention import get_sparse_attn_mask, plan_blocksparse_attention
 
-from ._executor import check_devices, info, run_plan
+from ._executor import planned, run_plan
 from ._register import custom_op
-
-
-# Plans by the raw (shape, stride, dtype, device) of every tensor plus the
-# options: a repeated call (decode steps) skips check_devices, the ArrayInfo
-# construction and the planner's hashing. NOTE: this took the torch host time
-# of a 1x16384 decode call from ~65 us (plan + checks were ~11 us of it).
-_PLANS = {}
-
-
-def _key(t):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
 def _bsattn_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_k: torch.Tensor,
                  cu_seqlens_q: Optional[torch.Tensor], crow: torch.Tensor, col: torch.Tensor,
                  sm_scale: Optional[float], block_size: int, q_block_size: Optional[int],
                  max_seqlen: Optional[int]) -> torch.Tensor:
-    key = (_key(q), _key(k), _key(v), _key(cu_seqlens_k), _key(cu_seqlens_q), _key(crow), _key(col),
-           sm_scale, block_size, q_block_size, max_seqlen)
-    hit = _PLANS.get(key)
-    if hit is None:
-        device = check_devices(q=q, k=k, v=v, cu_seqlens_k=cu_seqlens_k, cu_seqlens_q=cu_seqlens_q,
-                               crow=crow, col=col)
-        plan = plan_blocksparse_attention(
-            info(q), info(k), info(v), info(cu_seqlens_k),
-            None if cu_seqlens_q is None else info(cu_seqlens_q), info(crow), info(col),
-            sm_scale=sm_scale, block_size=block_size, q_block_size=q_block_size, max_seqlen=max_seqlen)
-        if len(_PLANS) > 4096:
-            _PLANS.clear()
-        _PLANS[key] = hit = (plan, device)
-    plan, device = hit
+    plan, device = planned(plan_blocksparse_attention,
+                           dict(q=q, k=k, v=v, cu_seqlens_k=cu_seqlens_k, cu_seqlens_q=cu_seqlens_q,
+                                crow=crow, col=col),
+                           sm_scale=sm_scale, block_size=block_size, q_block_size=q_block_size,
+                           max_seqlen=max_seqlen)
     tensors = dict(q=q, k=k, v=v, cu_seqlens_k=cu_seqlens_k, crow=crow, col=col)
     if cu_seqlens_q is not None:
         tensors["cu_seqlens_q"] = cu_seqlens_q

@@ -9,17 +9,15 @@ import torch
 from core_kernels.lightning_attention import (check_slot_ids, plan_lightning_attention,
                                               plan_linear_decode, prefill_state_shape)
 
-from ._executor import check_devices, info, run_plan
+from ._executor import planned, run_plan
 from ._register import custom_op
 
 
 def _prefill_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.Tensor,
                   block_size: int, kv_history: Optional[torch.Tensor],
                   output_final_state_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    device = check_devices(q=q, k=k, v=v, ed=ed, kv_history=kv_history)
-    plan = plan_lightning_attention(info(q), info(k), info(v), info(ed),
-                                    None if kv_history is None else info(kv_history),
-                                    block_size=block_size, output_final_state_only=output_final_state_only)
+    plan, device = planned(plan_lightning_attention, dict(q=q, k=k, v=v, ed=ed, kv_history=kv_history),
+                           block_size=block_size, output_final_state_only=output_final_state_only)
     tensors = dict(q=q, k=k, v=v, ed=ed)
     if kv_history is not None:
         tensors["kv_history"] = kv_history
@@ -67,10 +65,8 @@ def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: t
 
 def _decode_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_caches: torch.Tensor,
                  slope_rate: torch.Tensor, slot_idx: torch.Tensor) -> torch.Tensor:
-    device = check_devices(q=q, k=k, v=v, kv_caches=kv_caches, slope_rate=slope_rate,
-                           slot_idx=slot_idx)
-    plan = plan_linear_decode(info(q), info(k), info(v), info(kv_caches), info(slope_rate),
-                              info(slot_idx))
+    plan, device = planned(plan_linear_decode, dict(q=q, k=k, v=v, kv_caches=kv_caches,
+                                                    slope_rate=slope_rate, slot_idx=slot_idx))
     if device.type == "cpu":  # host data: checking costs no device sync
         check_slot_ids(slot_idx.numpy(), kv_caches.shape[0])
     env = run_plan(plan, dict(q=q, k=k, v=v, kv_caches=kv_caches, slope_rate=slope_rate,

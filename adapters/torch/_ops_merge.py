@@ -7,7 +7,7 @@ import torch
 
 from core_kernels.merge_attn_states import plan_merge_attn_states
 
-from ._executor import check_devices, info, run_plan
+from ._executor import planned, run_plan
 from ._register import custom_op
 
 
@@ -15,17 +15,16 @@ def _merge_impl(output: torch.Tensor, prefix_output: torch.Tensor, prefix_lse: t
                 suffix_output: torch.Tensor, suffix_lse: torch.Tensor,
                 output_lse: Optional[torch.Tensor], prefill_tokens_with_context: Optional[int],
                 output_scale: Optional[torch.Tensor]) -> None:
-    device = check_devices(output=output, prefix_output=prefix_output, prefix_lse=prefix_lse,
-                           suffix_output=suffix_output, suffix_lse=suffix_lse,
-                           output_lse=output_lse, output_scale=output_scale)
+    plan, device = planned(
+        plan_merge_attn_states,
+        dict(prefix_output=prefix_output, prefix_lse=prefix_lse, suffix_output=suffix_output,
+             suffix_lse=suffix_lse, output=output, output_lse=output_lse),
+        check_also=dict(output_scale=output_scale),
+        num_ctx="none" if prefill_tokens_with_context is None else "scalar",
+        has_output_scale=output_scale is not None)
     if output_scale is not None and (output_scale.numel() != 1 or output_scale.dtype != torch.float32):
         raise ValueError("output_scale: expected a 1-element float32 tensor, got "
                          f"shape {tuple(output_scale.shape)} dtype {output_scale.dtype}")
-    plan = plan_merge_attn_states(
-        info(prefix_output), info(prefix_lse), info(suffix_output), info(suffix_lse),
-        info(output), None if output_lse is None else info(output_lse),
-        num_ctx="none" if prefill_tokens_with_context is None else "scalar",
-        has_output_scale=output_scale is not None)
     tensors = dict(output=output, prefix_output=prefix_output, prefix_lse=prefix_lse,
                    suffix_output=suffix_output, suffix_lse=suffix_lse)
     if output_lse is not None:

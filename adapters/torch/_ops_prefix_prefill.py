@@ -7,7 +7,7 @@ import torch
 
 from core_kernels.prefix_prefill import plan_prefix_prefill
 
-from ._executor import check_devices, info, run_plan
+from ._executor import planned, run_plan
 from ._register import custom_op
 
 
@@ -18,20 +18,15 @@ def _impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
           alibi_slopes: Optional[torch.Tensor], sliding_window: Optional[int],
           sm_scale: Optional[float], skip_decode: bool, fp8_out_scale: Optional[torch.Tensor],
           sinks: Optional[torch.Tensor]) -> None:
-    tensors = dict(q=q, k=k, v=v, output=o, k_cache=k_cache, v_cache=v_cache, b_loc=b_loc,
-                   b_start_loc=b_start_loc, b_seq_len=b_seq_len, k_scale=k_scale,
+    # in the planner's positional order
+    tensors = dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, b_loc=b_loc,
+                   b_start_loc=b_start_loc, b_seq_len=b_seq_len, output=o, k_scale=k_scale,
                    v_scale=v_scale, alibi_slopes=alibi_slopes, sinks=sinks,
                    fp8_out_scale=fp8_out_scale)
-    tensors = {n: t for n, t in tensors.items() if t is not None}
-    device = check_devices(**tensors)
-    infos = {n: info(t) for n, t in tensors.items()}
-    plan = plan_prefix_prefill(
-        *(infos.get(n) for n in ("q", "k", "v", "k_cache", "v_cache", "b_loc", "b_start_loc",
-                                 "b_seq_len", "output", "k_scale", "v_scale", "alibi_slopes",
-                                 "sinks", "fp8_out_scale")),
-        max_input_len=max_input_len, kv_cache_dtype=kv_cache_dtype,
-        sliding_window=sliding_window, sm_scale=sm_scale, skip_decode=skip_decode)
-    run_plan(plan, tensors, device=device)
+    plan, device = planned(plan_prefix_prefill, tensors, max_input_len=max_input_len,
+                           kv_cache_dtype=kv_cache_dtype, sliding_window=sliding_window,
+                           sm_scale=sm_scale, skip_decode=skip_decode)
+    run_plan(plan, {n: t for n, t in tensors.items() if t is not None}, device=device)
 
 
 _op = custom_op("context_attention_fwd", _impl, mutates_args=("o",))

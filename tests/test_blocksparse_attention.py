@@ -413,11 +413,11 @@ def test_gpu_cuda_graph_replay_new_lengths(decode):
 
 # ------------------------------------------------------------------ tile configs
 @pytest.mark.parametrize("case,cfg", [("mixed-perhead", dict(block_m=16, block_n=16)),
-                                      ("mixed-perhead", dict(block_m=32, block_n=16)),
-                                      ("block32", dict(block_m=64, block_n=16)),
+                                      ("block32", dict(block_m=32, block_n=16)),
                                       ("block32", dict(block_m=16, block_n=16))], ids=str)
 def test_prefill_tile_configs(case, cfg):
-    """One-row tiles (block_m <= block_size), two-row tiles, K/V sub-blocks (block_n < block_size)."""
+    """Query tiles of a whole layout row or part of one (block_m <= block_size), K/V
+    sub-blocks (block_n < block_size); block_m beyond the layout row is refused."""
     from adapters.torch._executor import info, run_plan
     (q, k, v, cu_k, cu_q), (crow, col), block_mask, opts = case_inputs(case, "float32")
     bs = opts["block_size"]
@@ -427,6 +427,10 @@ def test_prefill_tile_configs(case, cfg):
     plan = plan_blocksparse_attention(*(info(t[n]) for n in ("q", "k", "v", "cu_seqlens_k",
                                                              "cu_seqlens_q", "crow", "col")),
                                       block_size=bs, **cfg)
-    assert plan.launches[0].constexprs["ROWS"] == (2 if cfg["block_m"] == 2 * bs else 1)
+    assert plan.launches[0].constexprs["BLOCK_M"] == cfg["block_m"]
+    with pytest.raises(ValueError, match="block_m"):
+        plan_blocksparse_attention(*(info(t[n]) for n in ("q", "k", "v", "cu_seqlens_k",
+                                                          "cu_seqlens_q", "crow", "col")),
+                                   block_size=bs, block_m=2 * bs, block_n=cfg["block_n"])
     out = run_plan(plan, t, None, t["q"].device)["output"]
     assert_close(torch_to_numpy(out), reference(q, k, v, cu_k, cu_q, block_mask, bs), "float32", str(cfg))

@@ -18,9 +18,7 @@ Three kernels:
 
 Positions are absolute (query i of a sequence sits at past + i, past =
 k_len - q_len); query tiles are aligned to absolute positions, so a tile of
-BLOCK_M <= BLOCK_SIZE queries lies in one layout row (ROWS = 1), and a tile of
-BLOCK_M = 2 * BLOCK_SIZE in two (ROWS = 2: the union of their columns, each
-half masked to its own row's).
+BLOCK_M <= BLOCK_SIZE queries lies in one layout row.
 Scores are kept in base 2: qk * QK_SCALE (= sm_scale * log2(e), a constexpr:
 jax-triton bakes scalars into the program anyway), exp2.
 """
@@ -47,11 +45,6 @@ def _sum(x, AXIS: tl.constexpr):
 @triton.jit
 def _max(x, AXIS: tl.constexpr):
     return tl.reduce(x, AXIS, tl.standard._elementwise_max)
-
-
-@triton.jit
-def _min(x, AXIS: tl.constexpr):
-    return tl.reduce(x, AXIS, tl.standard._elementwise_min)
 
 
 @triton.jit
@@ -136,7 +129,7 @@ def _bsattn_fwd_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, GROUP: tl.constexpr, B_P2: tl.constexpr, NNZ_P2: tl.constexpr,
     CNT_CHUNK: tl.constexpr, DECODE_Q: tl.constexpr, EVEN_D: tl.constexpr,
-    IS_FP32: tl.constexpr, QK_SCALE: tl.constexpr, ROWS: tl.constexpr,
+    IS_FP32: tl.constexpr, QK_SCALE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     i_h = pid % num_heads   # heads fastest: the heads of one KV group run together (L2 reuse)
@@ -196,7 +189,7 @@ def _bsattn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
 
-    if GROUP == 1 and ROWS == 1:
+    if GROUP == 1:
         start = tl.load(p_crow + qb)
         end = tl.load(p_crow + qb + 1)
         # columns are ascending: those below the tile's row need no mask
@@ -219,65 +212,6 @@ def _bsattn_fwd_kernel(
                 acc, m_i, l_i, b_q, k_base + kstart * stride_kt + k_offs,
                 v_base + kstart * stride_vt + v_offs, kstart + o_n, o_m, k_len, qk_scale, m_m,
                 m_dk, m_dv, True, False, EVEN_D, IS_FP32, FOLD_SCALE)
-    elif GROUP == 1:
-        # ROWS == 2: the tile spans two layout rows r0 (first half of the
-        # tile's queries) and r0 + 1 (second half). A = the later row that holds
-        # a query of this sequence, B = the earlier one (A's row again when the
-        # first half holds none). Work: A's columns (the first half masked where
-        # B lacks the column), then B's columns that A lacks (second half masked).
-        t0 = tile * BLOCK_M
-        r0 = t0 // BLOCK_SIZE
-        has0 = past < t0 + BLOCK_SIZE                  # a query in the first half
-        has1 = t0 + BLOCK_SIZE < k_len                 # a query in the second half
-        row_a = tl.minimum(tl.where(has1, r0 + 1, r0), num_rows - 1)
-        row_b = tl.where(has0, r0, row_a)
-        s_a = tl.load(p_crow + row_a)
-        e_a = tl.load(p_crow + row_a + 1)
-        s_b = tl.load(p_crow + row_b)
-        n_b = tl.load(p_crow + row_b + 1) - s_b
-        o_cb = tl.arange(0, NNZ_P2)
-        b_cb = tl.load(p_col + s_b + o_cb, mask=o_cb < n_b, other=-1)   # [NNZ_P2] B's columns
-        # n_fast: A's leading columns that lie below both rows and that B holds
-        # too need no mask at all (for local + stride layouts: all but the last two)
-        n_fast = e_a - s_a
-        in_a = o_cb * 0                                                 # B's columns found in A
-        for off in range(s_a, e_a, CNT_CHUNK):
-            o_ca = off + tl.arange(0, CNT_CHUNK)
-            b_ca = tl.load(p_col + o_ca, mask=o_ca < e_a, other=-2)     # [CNT_CHUNK]
-            eq = (b_ca[:, None] == b_cb[None, :]).to(tl.int32)          # [CNT_CHUNK, NNZ_P2]
-            bad = (o_ca < e_a) & ((b_ca >= r0) | (_sum(eq, 1) == 0))
-            n_fast = tl.minimum(n_fast, _min(tl.where(bad, o_ca - s_a, 2147483647), 0))
-            in_a += _sum(eq, 0)
-        b_only = ((in_a == 0) & (o_cb < n_b)).to(tl.int32)              # B's columns A lacks
-        n_extra = _sum(b_only, 0)
-        rank = tl.associative_scan(b_only, 0, _add)
-        second = tl.arange(0, BLOCK_M) >= BLOCK_SIZE                     # rows of the second half
-        for j in range(0, n_extra * SUB):
-            idx = _sum(tl.where((b_only > 0) & (rank == j // SUB + 1), o_cb, 0), 0)
-            c = tl.load(p_col + s_b + idx)
-            row_ok = second == 0
-            kstart = (c * BLOCK_SIZE + (j % SUB) * BLOCK_N).to(tl.int64)
-            acc, m_i, l_i = _attend_block(
-                acc, m_i, l_i, b_q, k_base + kstart * stride_kt + k_offs,
-                v_base + kstart * stride_vt + v_offs, kstart + o_n, o_m, k_len, qk_scale, row_ok,
-                m_dk, m_dv, True, True, EVEN_D, IS_FP32, FOLD_SCALE)
-        for j in range((s_a + n_fast) * SUB, e_a * SUB):
-            c = tl.load(p_col + j // SUB)
-            row_ok = second | (_sum((b_cb == c).to(tl.int32), 0) > 0)
-            kstart = (c * BLOCK_SIZE + (j % SUB) * BLOCK_N).to(tl.int64)
-            acc, m_i, l_i = _attend_block(
-                acc, m_i, l_i, b_q, k_base + kstart * stride_kt + k_offs,
-                v_base + kstart * stride_vt + v_offs, kstart + o_n, o_m, k_len, qk_scale, row_ok,
-                m_dk, m_dv, True, True, EVEN_D, IS_FP32, FOLD_SCALE)
-        # NOTE: the unmasked loop runs last, when the prologue's [NNZ_P2]
-        # vectors are dead: it is the hot loop and needs every register.
-        for j in range(s_a * SUB, (s_a + n_fast) * SUB):
-            c = tl.load(p_col + j // SUB)
-            kstart = (c * BLOCK_SIZE + (j % SUB) * BLOCK_N).to(tl.int64)
-            acc, m_i, l_i = _attend_block(
-                acc, m_i, l_i, b_q, k_base + kstart * stride_kt + k_offs,
-                v_base + kstart * stride_vt + v_offs, kstart + o_n, o_m, k_len, qk_scale, m_m,
-                m_dk, m_dv, False, False, EVEN_D, IS_FP32, FOLD_SCALE)
     else:
         # q_block_size = GROUP rows: attend to the union of the group's rows,
         # each column once (a column already in an earlier row is dropped)

@@ -55,8 +55,9 @@ SMEM_BUDGET = 200 * 1024
 def _prefill_config(block_size, d_pad, itemsize, group, block_m, block_n, num_warps, num_stages):
     # NOTE: 64 x 64 tiles (one warpgroup, 4 warps, 3 stages: 2 CTAs per SM)
     # match the 64-token layout rows of the models this serves. Measured on the
-    # H200 at 1x16384 (Phi-3-small): 64x64 w4 s3 1431 us; two-row 128 x 64
-    # tiles (block_m = 2 * block_size, supported) w8 s2 1709 us, w8 s3 1733 us,
+    # H200 at 1x16384 (Phi-3-small): 64x64 w4 s3 1431 us; 128-row tiles spanning
+    # two layout rows (walking the union of their columns, each half masked to
+    # its row; built, measured, then removed) w8 s2 1709 us, w8 s3 1733 us,
     # w4 s2 2138 us, 128x32 w8 s3 2253 us (255 registers: one CTA per SM, the
     # two warpgroups wait on each other); (64,64,8,3) 0.48x, (32,64,4,3) 0.43x,
     # (64,64,4,4) 0.62x the default's speed. See benchmarks/sweep_blocksparse.py.
@@ -231,11 +232,9 @@ def plan_blocksparse_attention(
 
     bm, bn, warps, stages = _prefill_config(block_size, d_pad, ITEMSIZE[q.dtype], group,
                                             block_m, block_n, num_warps, num_stages)
-    rows = 2 if bm == 2 * block_size else 1
-    if (block_size % bm and rows == 1) or block_size % bn or (rows == 2 and group != 1) \
-            or bn < 16:
-        raise ValueError(f"block_m must divide block_size={block_size} (or be twice it, without "
-                         f"q_block_size) and block_n (>= 16, tl.dot) divide it, got {bm}/{bn}")
+    if block_size % bm or block_size % bn or bn < 16:
+        raise ValueError(f"block_m and block_n (>= 16, tl.dot) must divide block_size={block_size}, "
+                         f"got {bm}/{bn}")
     q_tokens = b if decode_only else tq
     # tiles of one sequence <= ceil(q_len / BM) + 1 (alignment) and <= ceil(max_seqlen / BM)
     n_flat = min(cdiv(q_tokens, bm) + 2 * b, b * cdiv(max_seqlen, bm))
@@ -247,7 +246,7 @@ def plan_blocksparse_attention(
                         **layout_consts, BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d_pad, GROUP=group,
                         B_P2=max(2, next_pow2(b)), NNZ_P2=max(2, next_pow2(min(col.shape[-1], nb))),
                         CNT_CHUNK=64, DECODE_Q=decode_only, EVEN_D=even_d,
-                        IS_FP32=q.dtype == "float32", QK_SCALE=qk_scale, ROWS=rows),
+                        IS_FP32=q.dtype == "float32", QK_SCALE=qk_scale),
         num_warps=warps, num_stages=stages)
     return Plan(buffers, (launch,), ("output",))
 

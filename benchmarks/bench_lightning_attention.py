@@ -45,6 +45,19 @@ def _row(name, t, nbytes, copy_bw, **extra):
                                           "x_floor": t / (nbytes / copy_bw)}, **extra)
 
 
+def _ours_row(name, t, nbytes, copy_bw, t_pipe, t_jax, pairs):
+    """Our op's row: bandwidth, JAX/torch (both pipelined), torch == JAX bit for bit over
+    the (torch tensor, JAX array) result pairs, and the modelled kernel where measured."""
+    import torch
+    bitwise = all(torch.equal(a, torch.from_dlpack(b)) for a, b in pairs)
+    row = _row(name, t, nbytes, copy_bw, jax_us=t_jax * 1e6, torch_pipe_us=t_pipe * 1e6,
+               **{"jax/torch": t_jax / t_pipe}, bitwise=bitwise)
+    if name in MODEL_KERNEL_US:
+        row.update(baseline="vllm-kernel(same H200)", baseline_us=MODEL_KERNEL_US[name],
+                   vs_baseline=MODEL_KERNEL_US[name] * 1e-6 / t)
+    return row
+
+
 def prefill_sweep(copy_bw):
     """Tile / warp / stage / segment / precision variants (torch launch, cold L2)."""
     import torch
@@ -127,13 +140,7 @@ def prefill_cases(copy_bw):
             t_jax = timing.pipelined_time([lambda s=s: jf(*s) for s in jsets], "jax", reps=reps, trials=3)
             o_t, kv_t = calls[0]()
             o_j, kv_j = jf(*jsets[0])
-            bitwise = bool(torch.equal(o_t, torch.from_dlpack(o_j)) and torch.equal(kv_t, torch.from_dlpack(kv_j)))
-            row = _row(name, t, nbytes, copy_bw, jax_us=t_jax * 1e6, torch_pipe_us=t_pipe * 1e6,
-                       **{"jax/torch": t_jax / t_pipe}, bitwise=bitwise)
-            if name in MODEL_KERNEL_US:
-                row.update(baseline="vllm-kernel(same H200)", baseline_us=MODEL_KERNEL_US[name],
-                           vs_baseline=MODEL_KERNEL_US[name] * 1e-6 / t)
-            rows.append(row)
+            rows.append(_ours_row(name, t, nbytes, copy_bw, t_pipe, t_jax, ((o_t, o_j), (kv_t, kv_j))))
             if case.get("jnp_baseline"):
                 jb = jax.jit(_jnp_prefill)
                 t_b = timing.pipelined_time([lambda s=s: jb(*s) for s in jsets], "jax", reps=20, trials=3)
@@ -226,13 +233,7 @@ def decode_cases(copy_bw):
             o_t = at.linear_decode_forward_triton(q, k, v, c_t, slope, slots)
             o_j, c_j = jax.jit(aj.linear_decode_forward_triton)(jq, jk, jv, jax.dlpack.from_dlpack(cache.clone()),
                                                                 jslope, jslots)
-            bitwise = bool(torch.equal(o_t, torch.from_dlpack(o_j)) and torch.equal(c_t, torch.from_dlpack(c_j)))
-            row = _row(name, t, nbytes, copy_bw, jax_us=t_jax * 1e6, torch_pipe_us=t_pipe * 1e6,
-                       **{"jax/torch": t_jax / t_pipe}, bitwise=bitwise)
-            if name in MODEL_KERNEL_US:
-                row.update(baseline="vllm-kernel(same H200)", baseline_us=MODEL_KERNEL_US[name],
-                           vs_baseline=MODEL_KERNEL_US[name] * 1e-6 / t)
-            rows.append(row)
+            rows.append(_ours_row(name, t, nbytes, copy_bw, t_pipe, t_jax, ((o_t, o_j), (c_t, c_j))))
             if case.get("baselines"):
                 comp = torch.compile(_torch_decode_math, dynamic=False)
                 t_c = timing.kernel_time_torch(lambda: comp(q, k, v, cache, slope, slots))

@@ -83,6 +83,25 @@ def _store_state(ptr, b_s, o_d, o_e, stride_d, m_d, m_e):
     tl.store(p, b_s, mask=m_d[:, None] & m_e[None, :])
 
 
+@triton.jit
+def _store_state_halves(ptr, b_s, o_e, stride_d, head_k, m_e, BLOCK_D: tl.constexpr,
+                        BLOCK_E: tl.constexpr, EVEN_D: tl.constexpr):
+    """_store_state from inside the chunk loop, as two row halves.
+
+    NOTE: storing converts the tile out of the MMA layout through shared
+    memory; the whole [128, 32] fp32 tile's scratch pushed the bf16 kernel
+    with 3 load stages past two programs per SM (122880 bytes; 114688 as
+    halves). The split is a register renaming (the halves are separate
+    register repetitions of the MMA layout), so it costs no data movement.
+    """
+    HALF: tl.constexpr = BLOCK_D // 2
+    lo, hi = tl.split(tl.permute(tl.reshape(b_s, (2, HALF, BLOCK_E)), (1, 2, 0)))
+    o_h = tl.arange(0, HALF)
+    p = ptr + o_h.to(tl.int64)[:, None] * stride_d + o_e[None, :]
+    tl.store(p, lo, mask=((o_h < head_k) | EVEN_D)[:, None] & m_e[None, :])
+    tl.store(p + HALF * stride_d, hi, mask=((o_h + HALF < head_k) | EVEN_D)[:, None] & m_e[None, :])
+
+
 # NOTE: jax-triton specializes no integer argument on divisibility (only == 1),
 # while torch's launcher marks every int divisible by 16. Kernels compiled from
 # different knowledge pick different layouts (seen on the H200: decode outputs
@@ -243,8 +262,8 @@ def _lightning_prefill_kernel(
             else:
                 first = j == 0
             if first:
-                _store_state(p_kv + blk.to(tl.int64) * stride_kvi, b_s, o_d, o_e, stride_kvd,
-                             m_d, m_e)
+                _store_state_halves(p_kv + blk.to(tl.int64) * stride_kvi, b_s, o_e, stride_kvd, head_k,
+                                    m_e, BLOCK_D, BLOCK_E, EVEN_D)
         rows = t0 + o_t
         m_t = o_t < n_valid
         rows_in = tl.minimum(rows, seq_len - 1)

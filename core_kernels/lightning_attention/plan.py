@@ -28,7 +28,14 @@ DEFAULT_DOT_PRECISION = "tf32"
 # transposed from shared memory, so k^T goes through registers) and ran
 # 623-734 us; 32-token chunks, E-tile 64, 8 warps, 3 stages spill nothing:
 # 575 us (best of 11). bf16: 64-token chunks, E-tile 32 (256 programs), 4
-# warps, 2 stages: 166 us (best of 9; E-tile 64 / 8 warps / 2 stages: 219 us).
+# warps: 2 stages 157-169 us, 3 stages 122.8-134.8 us (session 3; Nsight
+# Compute put 21% of the 2-stage kernel's stall samples on the wait for the
+# next chunk's loads). 3 stages need 114688 bytes of shared memory, just under
+# two programs per SM: the per-block state store inside the loop is split in
+# row halves to fit (kernels._store_state_halves). fp32 is bound by shared
+# memory traffic instead (Nsight Compute: L1/shared 79% busy, LDS/LDSM 46% of
+# stall samples: the tf32 operands go through shared memory as 32-bit loads),
+# and more stages do not help it (529-540 us).
 # The whole of E in one program (E-tile 128: no redundant q k^T per E-tile)
 # was slower at every chunk/warp setting tried (fp32 744-953 us, bf16 284-303 us):
 # Triton waits for each wgmma right after issuing it, so a program's four
@@ -36,7 +43,7 @@ DEFAULT_DOT_PRECISION = "tf32"
 BLOCK_T = {"bfloat16": 64, "float16": 32, "float32": 32}
 BLOCK_E = {"bfloat16": 32, "float16": 64, "float32": 64}
 NUM_WARPS = {"bfloat16": 4, "float16": 8, "float32": 8}
-NUM_STAGES = {"bfloat16": 2, "float16": 3, "float32": 3}
+NUM_STAGES = {"bfloat16": 3, "float16": 3, "float32": 3}
 # Below MIN_PROGRAMS (b, h, E-tile) programs the sequence is cut into segments
 # (whole state blocks, at least MIN_SEGMENT_CHUNKS chunks) so that about
 # SEGMENT_TARGET programs run. Segments hand their end states on through

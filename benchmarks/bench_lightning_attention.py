@@ -64,12 +64,10 @@ def prefill_sweep(copy_bw):
     from adapters.torch._executor import info, run_plan
     from core_kernels.lightning_attention import plan_lightning_attention
     rows = []
-    variants = {"float32": [{}, dict(block_t=32, block_e=32, num_warps=4, num_stages=3),
-                            dict(block_t=32, block_e=16, num_warps=4, num_stages=3)],
-                "bfloat16": [{}, dict(block_t=64, block_e=16, num_warps=4, num_stages=2),
-                             dict(block_t=128, block_e=32, num_warps=8, num_stages=2),
-                             dict(block_t=64, block_e=16, num_warps=4, num_stages=3)]}
-    long_seq = {"float32": [{}], "bfloat16": [{}, dict(block_e=16)]}
+    variants = {"float32": [{}, dict(num_stages=4), dict(block_t=16, num_warps=4, num_stages=4)],
+                "bfloat16": [{}, dict(block_e=32), dict(block_e=32, num_stages=2),
+                             dict(block_e=64, num_stages=2)]}
+    long_seq = {"float32": [{}], "bfloat16": [{}, dict(block_e=64)]}
     shapes = [((1, 64, 4096, 128, 128), variants), ((1, 8, 65536, 128, 128), long_seq)]
     for (b, h, n, d, e), var in shapes:
         for dtype, configs in var.items():

@@ -56,7 +56,18 @@ def _chunk_span(g, seq_len, block_len, CHUNKS: tl.constexpr, BLOCK_T: tl.constex
 
 
 @triton.jit
-def _load_tile(ptr, base, rows, stride_row, cols, m_col, EVEN: tl.constexpr):
+def _row_offsets(rows, stride_row, OFFS_64: tl.constexpr):
+    """Offsets of token rows within one (b, h) slice: int32 unless the plan found
+    that they may not fit (NOTE: 64-bit address math per element was ~15% of the
+    bf16 prefill loop's stall samples in Nsight Compute: IMAD/LEA)."""
+    if OFFS_64:
+        return rows.to(tl.int64) * stride_row
+    else:
+        return rows * stride_row
+
+
+@triton.jit
+def _load_tile(ptr, base, rows, stride_row, cols, m_col, EVEN: tl.constexpr, OFFS_64: tl.constexpr):
     """[len(rows), len(cols)] tile of a row-major (innermost contiguous) matrix.
 
     NOTE: rows are always valid memory (the caller clamps them), so no row mask:
@@ -64,7 +75,7 @@ def _load_tile(ptr, base, rows, stride_row, cols, m_col, EVEN: tl.constexpr):
     thread. Rows past a chunk's end hold real (finite) data that the causal
     structure and the zero k-decay ignore; their outputs are never stored.
     """
-    p = ptr + base + rows.to(tl.int64)[:, None] * stride_row + cols[None, :]
+    p = (ptr + base) + _row_offsets(rows, stride_row, OFFS_64)[:, None] + cols[None, :]
     if EVEN:
         return tl.load(p)
     else:
@@ -84,22 +95,37 @@ def _store_state(ptr, b_s, o_d, o_e, stride_d, m_d, m_e):
 
 
 @triton.jit
-def _store_state_halves(ptr, b_s, o_e, stride_d, head_k, m_e, BLOCK_D: tl.constexpr,
-                        BLOCK_E: tl.constexpr, EVEN_D: tl.constexpr):
-    """_store_state from inside the chunk loop, as two row halves.
+def _store_part(ptr, part, r0, c0, stride_d, head_k, head_v, HALF_D: tl.constexpr,
+                HALF_E: tl.constexpr, EVEN_D: tl.constexpr, EVEN_E: tl.constexpr):
+    o_r = r0 + tl.arange(0, HALF_D)
+    o_c = c0 + tl.arange(0, HALF_E)
+    m = ((o_r < head_k) | EVEN_D)[:, None] & ((o_c < head_v) | EVEN_E)[None, :]
+    tl.store(ptr + o_r[:, None] * stride_d + o_c[None, :], part, mask=m)
 
-    NOTE: storing converts the tile out of the MMA layout through shared
-    memory; the whole [128, 32] fp32 tile's scratch pushed the bf16 kernel
-    with 3 load stages past two programs per SM (122880 bytes; 114688 as
-    halves). The split is a register renaming (the halves are separate
-    register repetitions of the MMA layout), so it costs no data movement.
+
+@triton.jit
+def _store_state_parts(ptr, b_s, e0, stride_d, head_k, head_v, BLOCK_D: tl.constexpr,
+                       BLOCK_E: tl.constexpr, EVEN_D: tl.constexpr, EVEN_E: tl.constexpr):
+    """_store_state (columns e0 + [0, BLOCK_E)) from inside the chunk loop, as
+    four [BLOCK_D/2, BLOCK_E/2] parts.
+
+    NOTE: a store converts the tile out of the MMA layout through shared memory
+    and registers. Converting the whole tile pushed the bf16 kernel with 3 load
+    stages past two programs per SM at E-tile 32 (122880 bytes of shared memory
+    against 114688 in parts) and past 255 registers at E-tile 64 (spills). Both
+    splits are register renamings (row halves and column halves are separate
+    register repetitions of the MMA layout), so they move no data.
     """
-    HALF: tl.constexpr = BLOCK_D // 2
-    lo, hi = tl.split(tl.permute(tl.reshape(b_s, (2, HALF, BLOCK_E)), (1, 2, 0)))
-    o_h = tl.arange(0, HALF)
-    p = ptr + o_h.to(tl.int64)[:, None] * stride_d + o_e[None, :]
-    tl.store(p, lo, mask=((o_h < head_k) | EVEN_D)[:, None] & m_e[None, :])
-    tl.store(p + HALF * stride_d, hi, mask=((o_h + HALF < head_k) | EVEN_D)[:, None] & m_e[None, :])
+    HALF_D: tl.constexpr = BLOCK_D // 2
+    HALF_E: tl.constexpr = BLOCK_E // 2
+    top, bottom = tl.split(tl.permute(tl.reshape(b_s, (2, HALF_D, BLOCK_E)), (1, 2, 0)))
+    t_l, t_r = tl.split(tl.permute(tl.reshape(top, (HALF_D, 2, HALF_E)), (0, 2, 1)))
+    b_l, b_r = tl.split(tl.permute(tl.reshape(bottom, (HALF_D, 2, HALF_E)), (0, 2, 1)))
+    _store_part(ptr, t_l, 0, e0, stride_d, head_k, head_v, HALF_D, HALF_E, EVEN_D, EVEN_E)
+    _store_part(ptr, t_r, 0, e0 + HALF_E, stride_d, head_k, head_v, HALF_D, HALF_E, EVEN_D, EVEN_E)
+    _store_part(ptr, b_l, HALF_D, e0, stride_d, head_k, head_v, HALF_D, HALF_E, EVEN_D, EVEN_E)
+    _store_part(ptr, b_r, HALF_D, e0 + HALF_E, stride_d, head_k, head_v, HALF_D, HALF_E, EVEN_D,
+                EVEN_E)
 
 
 # NOTE: jax-triton specializes no integer argument on divisibility (only == 1),
@@ -121,18 +147,26 @@ _DECODE_INTS = ("num_heads num_slots head_k head_v stride_decay stride_qb stride
 
 
 @triton.jit
-def _segment_contribution(k_ptr, v_ptr, base_k, base_v, stride_kt, stride_vt, s, seq_len, block_len,
-                          first_chunk, last_chunk, o_t, o_d, o_e, m_d, m_e,
-                          BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
-                          CHUNKS: tl.constexpr, EVEN_D: tl.constexpr, EVEN_E: tl.constexpr,
-                          DOT_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """sum_t lambda^(end-1-t) k_t^T v_t over chunks [first_chunk, last_chunk), from a zero state."""
+def _segment_contribution(k_ptr, v_ptr, base_k, base_v, stride_kt, stride_vt, s, seq_len, seg_t0, seg_t1,
+                          o_d, o_e, m_d, m_e, P1_T: tl.constexpr, P1_STAGES: tl.constexpr,
+                          BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                          EVEN_D: tl.constexpr, EVEN_E: tl.constexpr,
+                          DOT_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, OFFS_64: tl.constexpr):
+    """sum_t lambda^(seg_t1-1-t) k_t^T v_t over tokens [seg_t0, seg_t1), from a zero state.
+
+    The segment's tokens are one contiguous run whatever the chunk and block
+    layout, so this walks them in steps of P1_T (twice the output loop's chunk)
+    with its own pipeline depth (P1_STAGES): one state-update product per step
+    and no other, so larger steps halve its waits (the output loop's shared
+    memory budget bounds P1_T * P1_STAGES).
+    """
+    o_t = tl.arange(0, P1_T)
     b_l = tl.full([BLOCK_D, BLOCK_E], 0.0, tl.float32)
-    for g in range(first_chunk, last_chunk):
-        t0, n_valid, blk, j = _chunk_span(g, seq_len, block_len, CHUNKS, BLOCK_T)
+    for t0 in tl.range(seg_t0, seg_t1, P1_T, num_stages=P1_STAGES):
+        n_valid = tl.minimum(seg_t1 - t0, P1_T)
         rows_in = tl.minimum(t0 + o_t, seq_len - 1)
-        b_k = _load_tile(k_ptr, base_k, rows_in, stride_kt, o_d, m_d, EVEN_D)
-        b_v = _load_tile(v_ptr, base_v, rows_in, stride_vt, o_e, m_e, EVEN_E)
+        b_k = _load_tile(k_ptr, base_k, rows_in, stride_kt, o_d, m_d, EVEN_D, OFFS_64)
+        b_v = _load_tile(v_ptr, base_v, rows_in, stride_vt, o_e, m_e, EVEN_E, OFFS_64)
         k_decay = tl.where(o_t < n_valid, tl.exp(-s * (n_valid - 1 - o_t).to(tl.float32)), 0.0)
         b_vd = _operand(b_v.to(tl.float32) * k_decay[:, None], DOT_BF16)
         b_l = b_l * tl.exp(-s * n_valid.to(tl.float32))
@@ -158,7 +192,8 @@ def _lightning_prefill_kernel(
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, CHUNKS: tl.constexpr,
     N_E: tl.constexpr, EVEN_D: tl.constexpr, EVEN_E: tl.constexpr, HAS_HISTORY: tl.constexpr,
     STORE_BLOCK_STATES: tl.constexpr, PUBLISH_IN_KV: tl.constexpr, SEGMENTED: tl.constexpr,
-    DOT_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr,
+    DOT_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr, OFFS_64: tl.constexpr,
+    P1_T: tl.constexpr, P1_STAGES: tl.constexpr,
 ):
     """One program per (segment, b, h, E-tile), segments in launch order.
 
@@ -227,10 +262,12 @@ def _lightning_prefill_kernel(
     if SEGMENTED:
         b_l = tl.full([BLOCK_D, BLOCK_E], 0.0, tl.float32)
         if i_p < num_segments - 1:  # phase 1: this segment's own contribution
+            seg_t0 = i_p * blocks_per_seg * block_len
+            seg_t1 = tl.minimum(seg_t0 + blocks_per_seg * block_len, seq_len)
             b_l = _segment_contribution(k_ptr, v_ptr, base_k, base_v, stride_kt, stride_vt, s, seq_len,
-                                        block_len, first_chunk, last_chunk, o_t, o_d, o_e, m_d, m_e,
-                                        BLOCK_T, BLOCK_D, BLOCK_E, CHUNKS, EVEN_D, EVEN_E, DOT_BF16,
-                                        DOT_PRECISION)
+                                        seg_t0, seg_t1, o_d, o_e, m_d, m_e, P1_T, P1_STAGES,
+                                        BLOCK_D, BLOCK_E, EVEN_D, EVEN_E, DOT_BF16, DOT_PRECISION,
+                                        OFFS_64)
         if i_p > 0:  # look back: wait for the previous segment's end state
             p_flag = sync_ptr + 1 + ticket - per_seg
             ready = tl.atomic_add(p_flag, 0, sem="acquire")
@@ -262,14 +299,14 @@ def _lightning_prefill_kernel(
             else:
                 first = j == 0
             if first:
-                _store_state_halves(p_kv + blk.to(tl.int64) * stride_kvi, b_s, o_e, stride_kvd, head_k,
-                                    m_e, BLOCK_D, BLOCK_E, EVEN_D)
+                _store_state_parts(p_kv + blk.to(tl.int64) * stride_kvi, b_s, i_e * BLOCK_E, stride_kvd,
+                                   head_k, head_v, BLOCK_D, BLOCK_E, EVEN_D, EVEN_E)
         rows = t0 + o_t
         m_t = o_t < n_valid
         rows_in = tl.minimum(rows, seq_len - 1)
-        b_q = _load_tile(q_ptr, base_q, rows_in, stride_qt, o_d, m_d, EVEN_D)   # [T, D]
-        b_k = _load_tile(k_ptr, base_k, rows_in, stride_kt, o_d, m_d, EVEN_D)   # [T, D]
-        b_v = _load_tile(v_ptr, base_v, rows_in, stride_vt, o_e, m_e, EVEN_E)   # [T, E]
+        b_q = _load_tile(q_ptr, base_q, rows_in, stride_qt, o_d, m_d, EVEN_D, OFFS_64)   # [T, D]
+        b_k = _load_tile(k_ptr, base_k, rows_in, stride_kt, o_d, m_d, EVEN_D, OFFS_64)   # [T, D]
+        b_v = _load_tile(v_ptr, base_v, rows_in, stride_vt, o_e, m_e, EVEN_E, OFFS_64)   # [T, E]
         k_decay = tl.where(m_t, tl.exp(-s * (n_valid - 1 - o_t).to(tl.float32)), 0.0)
         # NOTE: the decays scale dot *results* and v ([T, E]), never the q/k tiles
         # ([T, D]): q and k then go from shared memory straight into the MMAs, and
@@ -284,7 +321,7 @@ def _lightning_prefill_kernel(
         b_vd = _operand(b_v.to(tl.float32) * k_decay[:, None], DOT_BF16)           # [T, E]
         b_s = b_s * tl.exp(-s * n_valid.to(tl.float32))
         b_s = tl.dot(tl.trans(b_k), b_vd, b_s, input_precision=DOT_PRECISION)      # [D, E]
-        p_o = o_ptr + base_o + rows.to(tl.int64)[:, None] * stride_ot + o_e[None, :]
+        p_o = (o_ptr + base_o) + _row_offsets(rows, stride_ot, OFFS_64)[:, None] + o_e[None, :]
         tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_t[:, None] & m_e[None, :])
 
     if i_p == num_segments - 1:  # the last segment holds the final state

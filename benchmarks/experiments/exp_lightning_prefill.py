@@ -26,10 +26,24 @@ def _dot(a, b, acc, MMA2: tl.constexpr):
 
 
 @triton.jit
+def _split(x):
+    """fp32 -> (hi, lo) bf16 with hi + lo = x to ~16 bits."""
+    hi = x.to(tl.bfloat16)
+    return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _dot3(a_hi, a_lo, b_hi, b_lo, acc):
+    acc = tl.dot(a_hi, b_hi, acc)
+    acc = tl.dot(a_hi, b_lo, acc)
+    return tl.dot(a_lo, b_hi, acc)
+
+
+@triton.jit
 def _exp_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, o_ptr, kv_ptr, H, N,
                 BLOCK_T: tl.constexpr, D: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr,
                 DO_INTRA: tl.constexpr, DO_INTER: tl.constexpr, DO_STATE: tl.constexpr,
-                MMA2: tl.constexpr, BF16: tl.constexpr):
+                MMA2: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr = 0):
     N_E: tl.constexpr = E // BLOCK_E
     pid = tl.program_id(0)
     i_e = pid % N_E
@@ -54,16 +68,48 @@ def _exp_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, o_ptr, kv_ptr, H, N,
         b_k = tl.load(k_ptr + base_qk + rows.to(tl.int64)[:, None] * D + o_d[None, :]).to(op_ty)
         b_v = tl.load(v_ptr + base_v + rows.to(tl.int64)[:, None] * E + o_e[None, :])
         b_o = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
-        if DO_INTRA:
+        if SPLIT == 3:  # every product as three bf16 products of hi/lo halves
+            q_hi, q_lo = _split(b_q)
+            k_hi, k_lo = _split(b_k)
+            b_vf = b_v.to(tl.float32)
+            v_hi, v_lo = _split(b_vf)
+            b_qk = _dot3(q_hi, q_lo, tl.trans(k_hi), tl.trans(k_lo), tl.zeros([BLOCK_T, BLOCK_T], tl.float32))
+            p_hi, p_lo = _split(b_qk * causal)
+            b_o = _dot3(p_hi, p_lo, v_hi, v_lo, b_o)
+            s_hi, s_lo = _split(b_s)
+            b_o += _dot3(q_hi, q_lo, s_hi, s_lo, tl.zeros([BLOCK_T, BLOCK_E], tl.float32)) * q_decay[:, None]
+            vd_hi, vd_lo = _split(b_vf * k_decay[:, None])
+            b_s = _dot3(tl.trans(k_hi), tl.trans(k_lo), vd_hi, vd_lo, b_s * chunk_decay)
+        elif DO_INTRA:
             b_qk = _dot(b_q, tl.trans(b_k), tl.zeros([BLOCK_T, BLOCK_T], tl.float32), MMA2)
             b_o = _dot((b_qk * causal).to(op_ty), b_v.to(op_ty), b_o, MMA2)
         else:
             b_o += b_v.to(tl.float32)
-        if DO_INTER:
+        if DO_INTER and SPLIT == 4:  # q S from hi/lo halves too
+            q_hi, q_lo = _split(b_q)
+            s_hi, s_lo = _split(b_s)
+            b_o += _dot3(q_hi, q_lo, s_hi, s_lo, tl.zeros([BLOCK_T, BLOCK_E], tl.float32)) * q_decay[:, None]
+        elif DO_INTER and SPLIT != 3:
             b_o += _dot(b_q, b_s.to(op_ty), tl.zeros([BLOCK_T, BLOCK_E], tl.float32), MMA2) * q_decay[:, None]
-        if DO_STATE:
-            b_vd = (b_v.to(tl.float32) * k_decay[:, None]).to(op_ty)
-            b_s = _dot(tl.trans(b_k), b_vd, b_s * chunk_decay, MMA2)
+        if DO_STATE and SPLIT != 3:
+            if SPLIT == 1 or SPLIT == 4:  # fp32: k^T v_d as three bf16 products of hi/lo halves
+                b_vf = b_v.to(tl.float32) * k_decay[:, None]
+                k_hi = b_k.to(tl.bfloat16)
+                k_lo = (b_k - k_hi.to(tl.float32)).to(tl.bfloat16)
+                v_hi = b_vf.to(tl.bfloat16)
+                v_lo = (b_vf - v_hi.to(tl.float32)).to(tl.bfloat16)
+                if False:  # one product over the concatenated contraction (measured slower)
+                    a2 = tl.reshape(tl.permute(tl.join(k_hi, k_lo), (2, 0, 1)), (2 * BLOCK_T, D))
+                    b2 = tl.reshape(tl.permute(tl.join(v_lo, v_hi), (2, 0, 1)), (2 * BLOCK_T, BLOCK_E))
+                    acc = tl.dot(tl.trans(k_hi), v_hi, b_s * chunk_decay)
+                    b_s = tl.dot(tl.trans(a2), b2, acc)
+                else:
+                    acc = tl.dot(tl.trans(k_hi), v_hi, b_s * chunk_decay)
+                    acc = tl.dot(tl.trans(k_hi), v_lo, acc)
+                    b_s = tl.dot(tl.trans(k_lo), v_hi, acc)
+            else:
+                b_vd = (b_v.to(tl.float32) * k_decay[:, None]).to(op_ty)
+                b_s = _dot(tl.trans(b_k), b_vd, b_s * chunk_decay, MMA2)
         if not (DO_INTRA or DO_INTER or DO_STATE):  # keep q and k loads alive
             b_o += (tl.sum(b_q.to(tl.float32), 1) + tl.sum(b_k.to(tl.float32), 1))[:, None]
         tl.store(o_ptr + base_v + rows.to(tl.int64)[:, None] * E + o_e[None, :], b_o.to(o_ptr.dtype.element_ty))
@@ -76,17 +122,15 @@ def variants():
         for name, flags in (("full", (1, 1, 1)), ("no-intra", (0, 1, 1)), ("no-inter", (1, 0, 1)),
                             ("no-state", (1, 1, 0)), ("loads-only", (0, 0, 0)),
                             ("intra-only", (1, 0, 0)), ("state-only", (0, 0, 1))):
-            out.append((dt, name, t, be, w, st, flags, 0))
-        out.append((dt, "full-mma2", t, be, w, st, (1, 1, 1), 1))
+            out.append((dt, name, t, be, w, st, flags, 0, 0))
+        out.append((dt, "full-mma2", t, be, w, st, (1, 1, 1), 1, 0))
     # bigger tiles / other shapes of the same loop
-    for dt, t, be, w, st, d3 in (("float32", 32, 32, 4, 2, 0), ("float32", 32, 32, 4, 3, 0),
-                                 ("float32", 32, 64, 4, 2, 0), ("float32", 32, 32, 8, 3, 0),
-                                 ("float32", 16, 64, 4, 4, 0), ("float32", 64, 32, 4, 2, 0),
-                                 ("float32", 32, 64, 8, 4, 0), ("float32", 16, 32, 4, 4, 0),
-                                 ("bfloat16", 32, 32, 4, 3, 0), ("bfloat16", 32, 32, 4, 4, 0),
-                                 ("bfloat16", 64, 32, 4, 3, 0), ("bfloat16", 64, 32, 8, 2, 0),
-                                 ("bfloat16", 128, 32, 8, 2, 0), ("bfloat16", 32, 64, 4, 3, 0)):
-        out.append((dt, f"T{t}-E{be}-w{w}-s{st}" + ("-mma2" if d3 else ""), t, be, w, st, (1, 1, 1), d3))
+    for dt, t, be, w, st, sp in (("float32", 32, 64, 8, 3, 1), ("float32", 32, 64, 8, 3, 4),
+                                 ("float32", 32, 64, 8, 4, 1), ("float32", 32, 64, 8, 2, 1),
+                                 ("float32", 16, 64, 4, 4, 1), ("float32", 32, 128, 8, 3, 1),
+                                 ("float32", 64, 64, 8, 2, 4)):
+        out.append((dt, f"T{t}-E{be}-w{w}-s{st}-split{sp}", t, be, w, st, (1, 1, 1), 0, sp))
+        out.append((dt, f"T{t}-E{be}-w{w}-s{st}-split{sp}-stateonly", t, be, w, st, (0, 0, 1), 0, sp))
     return out
 
 
@@ -113,7 +157,7 @@ def main():
         print(rows[-1], flush=True)
         inputs[dt] = (q, k, v, ed, ref, kv_ref, nbytes)
     only = os.environ.get("EXP_ONLY")
-    for dt, name, t, be, w, st, (a, b_, c), d3 in variants():
+    for dt, name, t, be, w, st, (a, b_, c), d3, sp in variants():
         if only and only not in name:
             continue
         q, k, v, ed, ref, kv_ref, nbytes = inputs[dt]
@@ -123,7 +167,7 @@ def main():
 
         def call():
             _exp_kernel[grid](q, k, v, ed, o, kv, H, N, BLOCK_T=t, D=D, E=D, BLOCK_E=be,
-                              DO_INTRA=a, DO_INTER=b_, DO_STATE=c, MMA2=d3, BF16=dt == "bfloat16",
+                              DO_INTRA=a, DO_INTER=b_, DO_STATE=c, MMA2=d3, BF16=dt == "bfloat16", SPLIT=sp,
                               num_warps=w, num_stages=st)
         try:
             if d3:

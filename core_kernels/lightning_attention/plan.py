@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 from .._plan import (FLOAT_DTYPES, INT_DTYPES, ArrayInfo, Buffer, Launch, Plan, Scalar, cdiv,
-                     check_dtype, check_inner_contiguous, check_ndim, check_shape, memoize,
-                     next_pow2)
+                     check_dtype, check_inner_contiguous, check_ndim, check_shape,
+                     interpret_requested, memoize, next_pow2)
 from .kernels import _lightning_decode_kernel, _lightning_prefill_kernel
 
 MAX_HEAD_SIZE = 256
@@ -18,7 +18,10 @@ DOT_PRECISIONS = ("tf32", "tf32x3", "ieee")
 # H=64, D=128, N=1500 measured a max error of 2.7-5.4% of the output RMS in
 # fp32/fp16 (small shapes on the GPU stay within 0.5%); not yet explained.
 # Pass dot_precision="ieee" to the planner for exact-fp32 products. The
-# interpreter (CPU) is always exact fp32.
+# interpreter (CPU) is always exact fp32. With "tf32" and whole tiles, the state
+# product k^T v is computed from bf16 hi/lo pairs instead (three bf16 MMAs,
+# ~16 significant bits: more precise than tf32, and 1.4x faster for the whole
+# prefill because bf16 MMAs read the transposed k natively; kernels._state_product).
 DEFAULT_DOT_PRECISION = "tf32"
 # NOTE: one program per (b, h, E-tile) keeps a [D, BLOCK_E] fp32 state in
 # registers. Chunk length / E-tile / warps / stages from ptxas' resource report
@@ -194,6 +197,8 @@ def plan_lightning_attention(
     strides = q.strides[:3] + k.strides[:3] + v.strides[:3] + out_strides + hist_strides
     align = _align(*strides, *pub_strides, *kv_strides)
     a = lambda xs: tuple(Scalar(x // align) for x in xs)  # noqa: E731
+    even_tiles = d == block_d and e % block_e == 0
+    dot_bf16 = q.dtype == "bfloat16" and even_tiles
     launch = Launch(
         _lightning_prefill_kernel, (num_segments * programs,),
         ("q", "k", "v", "ed", hist, Scalar(h), Scalar(b), Scalar(n), Scalar(d), Scalar(e),
@@ -204,13 +209,20 @@ def plan_lightning_attention(
              EVEN_D=d == block_d, EVEN_E=e % block_e == 0, HAS_HISTORY=has_hist,
              STORE_BLOCK_STATES=not output_final_state_only, PUBLISH_IN_KV=publish_in_kv,
              SEGMENTED=segmented,
-             DOT_BF16=q.dtype == "bfloat16" and d == block_d and e % block_e == 0,
+             DOT_BF16=dot_bf16,
+             # fp32 / fp16: the state product from bf16 hi/lo pairs (kernels._state_product);
+             # whole tiles only (see the NOTE above on masked bf16 operands). Not under
+             # the interpreter (CPU), whose bf16 tl.dot returns garbage (Triton 3.6) and
+             # whose fp32 products are exact anyway: the split is tested on the GPU.
+             SPLIT_STATE=(not dot_bf16 and even_tiles and dot_precision == "tf32"
+                          and not interpret_requested()),
              DOT_PRECISION=dot_precision, ALIGN=align,
              # token-row offsets within one (b, h) slice fit in int32?
              OFFS_64=max((n - 1) * abs(x.strides[2]) + x.shape[3]
                          for x in (q, k, v, ArrayInfo.contiguous((b, h, n, e), q.dtype))) >= 2 ** 31,
-             # segments' first pass (state products only): twice the chunk, 2 stages
-             P1_T=2 * block_t, P1_STAGES=2),
+             # segments' first pass (state products only): twice the chunk, 2 stages (bf16;
+             # fp32's split products spilled at twice the chunk)
+             P1_T=2 * block_t if dot_bf16 else block_t, P1_STAGES=2),
         num_warps=num_warps, num_stages=num_stages)
     return Plan(buffers, (launch,), results)
 

@@ -43,7 +43,7 @@ def _dot3(a_hi, a_lo, b_hi, b_lo, acc):
 def _exp_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, o_ptr, kv_ptr, H, N,
                 BLOCK_T: tl.constexpr, D: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr,
                 DO_INTRA: tl.constexpr, DO_INTER: tl.constexpr, DO_STATE: tl.constexpr,
-                MMA2: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr = 0):
+                MMA2: tl.constexpr, BF16: tl.constexpr, SPLIT: tl.constexpr = 0, OT: tl.constexpr = 0):
     N_E: tl.constexpr = E // BLOCK_E
     pid = tl.program_id(0)
     i_e = pid % N_E
@@ -80,12 +80,20 @@ def _exp_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, o_ptr, kv_ptr, H, N,
             b_o += _dot3(q_hi, q_lo, s_hi, s_lo, tl.zeros([BLOCK_T, BLOCK_E], tl.float32)) * q_decay[:, None]
             vd_hi, vd_lo = _split(b_vf * k_decay[:, None])
             b_s = _dot3(tl.trans(k_hi), tl.trans(k_lo), vd_hi, vd_lo, b_s * chunk_decay)
+        elif OT:  # o^T = V^T P^T + (S^T Q^T) decay: M = E-tile, so wgmma even for 32-token chunks
+            b_qk = tl.dot(b_q, tl.trans(b_k))
+            p_t = tl.trans(b_qk * causal)                                  # [T_k, T_q]
+            acc_t = tl.dot(tl.trans(b_v.to(tl.float32)), p_t)              # [E, T_q]
+            acc_t2 = tl.dot(tl.trans(b_s), tl.trans(b_q))                  # [E, T_q]
+            b_o = tl.trans(acc_t + acc_t2 * q_decay[None, :])
         elif DO_INTRA:
             b_qk = _dot(b_q, tl.trans(b_k), tl.zeros([BLOCK_T, BLOCK_T], tl.float32), MMA2)
             b_o = _dot((b_qk * causal).to(op_ty), b_v.to(op_ty), b_o, MMA2)
         else:
             b_o += b_v.to(tl.float32)
-        if DO_INTER and SPLIT == 4:  # q S from hi/lo halves too
+        if OT:
+            pass
+        elif DO_INTER and SPLIT == 4:  # q S from hi/lo halves too
             q_hi, q_lo = _split(b_q)
             s_hi, s_lo = _split(b_s)
             b_o += _dot3(q_hi, q_lo, s_hi, s_lo, tl.zeros([BLOCK_T, BLOCK_E], tl.float32)) * q_decay[:, None]
@@ -122,15 +130,15 @@ def variants():
         for name, flags in (("full", (1, 1, 1)), ("no-intra", (0, 1, 1)), ("no-inter", (1, 0, 1)),
                             ("no-state", (1, 1, 0)), ("loads-only", (0, 0, 0)),
                             ("intra-only", (1, 0, 0)), ("state-only", (0, 0, 1))):
-            out.append((dt, name, t, be, w, st, flags, 0, 0))
-        out.append((dt, "full-mma2", t, be, w, st, (1, 1, 1), 1, 0))
+            out.append((dt, name, t, be, w, st, flags, 0, 0, 0))
+        out.append((dt, "full-mma2", t, be, w, st, (1, 1, 1), 1, 0, 0))
     # bigger tiles / other shapes of the same loop
-    for dt, t, be, w, st, sp in (("float32", 32, 64, 8, 3, 1), ("float32", 32, 64, 8, 3, 4),
-                                 ("float32", 32, 64, 8, 4, 1), ("float32", 32, 64, 8, 2, 1),
-                                 ("float32", 16, 64, 4, 4, 1), ("float32", 32, 128, 8, 3, 1),
-                                 ("float32", 64, 64, 8, 2, 4)):
-        out.append((dt, f"T{t}-E{be}-w{w}-s{st}-split{sp}", t, be, w, st, (1, 1, 1), 0, sp))
-        out.append((dt, f"T{t}-E{be}-w{w}-s{st}-split{sp}-stateonly", t, be, w, st, (0, 0, 1), 0, sp))
+    for dt, t, be, w, st, sp, ot in (("float32", 32, 64, 8, 3, 1, 0), ("float32", 32, 64, 8, 3, 1, 1),
+                                     ("float32", 32, 64, 4, 3, 1, 1), ("float32", 32, 64, 8, 2, 1, 1),
+                                     ("float32", 32, 64, 8, 4, 1, 1), ("float32", 16, 64, 4, 4, 1, 1),
+                                     ("float32", 32, 128, 8, 3, 1, 1)):
+        out.append((dt, f"T{t}-E{be}-w{w}-s{st}-split{sp}" + ("-ot" if ot else ""), t, be, w, st, (1, 1, 1),
+                    0, sp, ot))
     return out
 
 
@@ -157,7 +165,7 @@ def main():
         print(rows[-1], flush=True)
         inputs[dt] = (q, k, v, ed, ref, kv_ref, nbytes)
     only = os.environ.get("EXP_ONLY")
-    for dt, name, t, be, w, st, (a, b_, c), d3, sp in variants():
+    for dt, name, t, be, w, st, (a, b_, c), d3, sp, ot in variants():
         if only and only not in name:
             continue
         q, k, v, ed, ref, kv_ref, nbytes = inputs[dt]
@@ -167,7 +175,7 @@ def main():
 
         def call():
             _exp_kernel[grid](q, k, v, ed, o, kv, H, N, BLOCK_T=t, D=D, E=D, BLOCK_E=be,
-                              DO_INTRA=a, DO_INTER=b_, DO_STATE=c, MMA2=d3, BF16=dt == "bfloat16", SPLIT=sp,
+                              DO_INTRA=a, DO_INTER=b_, DO_STATE=c, MMA2=d3, BF16=dt == "bfloat16", SPLIT=sp, OT=ot,
                               num_warps=w, num_stages=st)
         try:
             if d3:

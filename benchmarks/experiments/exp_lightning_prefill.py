@@ -100,13 +100,13 @@ def _exp_kernel(q_ptr, k_ptr, v_ptr, decay_ptr, o_ptr, kv_ptr, H, N,
         elif DO_INTER and SPLIT != 3:
             b_o += _dot(b_q, b_s.to(op_ty), tl.zeros([BLOCK_T, BLOCK_E], tl.float32), MMA2) * q_decay[:, None]
         if DO_STATE and SPLIT != 3:
-            if SPLIT == 1 or SPLIT == 4:  # fp32: k^T v_d as three bf16 products of hi/lo halves
+            if SPLIT == 1 or SPLIT == 2 or SPLIT == 4:  # fp32: k^T v_d from bf16 hi/lo halves
                 b_vf = b_v.to(tl.float32) * k_decay[:, None]
                 k_hi = b_k.to(tl.bfloat16)
                 k_lo = (b_k - k_hi.to(tl.float32)).to(tl.bfloat16)
                 v_hi = b_vf.to(tl.bfloat16)
                 v_lo = (b_vf - v_hi.to(tl.float32)).to(tl.bfloat16)
-                if False:  # one product over the concatenated contraction (measured slower)
+                if SPLIT == 2:  # hi.lo + lo.hi as one product over a doubled contraction
                     a2 = tl.reshape(tl.permute(tl.join(k_hi, k_lo), (2, 0, 1)), (2 * BLOCK_T, D))
                     b2 = tl.reshape(tl.permute(tl.join(v_lo, v_hi), (2, 0, 1)), (2 * BLOCK_T, BLOCK_E))
                     acc = tl.dot(tl.trans(k_hi), v_hi, b_s * chunk_decay)

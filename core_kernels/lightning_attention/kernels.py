@@ -348,7 +348,6 @@ def _lightning_prefill_kernel(
         b_a = _operand(b_qk * causal_decay, DOT_BF16)
         b_o = tl.dot(b_a, _operand(b_v, DOT_BF16), input_precision=DOT_PRECISION)  # [T, E]
         b_o += tl.dot(b_q, _operand(b_s, DOT_BF16), input_precision=DOT_PRECISION) * q_decay[:, None]
-
         b_s = b_s * tl.exp(-s * n_valid.to(tl.float32))
         b_s = _state_product(b_k, b_v.to(tl.float32) * k_decay[:, None], b_s, DOT_BF16,  # [D, E]
                              SPLIT_STATE, DOT_PRECISION)

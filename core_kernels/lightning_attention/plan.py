@@ -35,10 +35,11 @@ DEFAULT_DOT_PRECISION = "tf32"
 # Compute put 21% of the 2-stage kernel's stall samples on the wait for the
 # next chunk's loads). 3 stages need 114688 bytes of shared memory, just under
 # two programs per SM: the per-block state store inside the loop is split in
-# row halves to fit (kernels._store_state_halves). fp32 is bound by shared
-# memory traffic instead (Nsight Compute: L1/shared 79% busy, LDS/LDSM 46% of
-# stall samples: the tf32 operands go through shared memory as 32-bit loads),
-# and more stages do not help it (529-540 us).
+# register parts to fit (kernels._store_state_parts). fp32 was bound by shared
+# memory traffic instead (Nsight Compute, before the state product's bf16 split:
+# L1/shared 79% busy, LDS/LDSM 46% of stall samples: the tf32 operands go
+# through shared memory as 32-bit loads), and more stages did not help it
+# (529-540 us; 422-430 us after the split).
 # The whole of E in one program (E-tile 128: no redundant q k^T per E-tile)
 # was slower at every chunk/warp setting tried (fp32 744-953 us, bf16 284-303 us):
 # Triton waits for each wgmma right after issuing it, so a program's four

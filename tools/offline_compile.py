@@ -44,8 +44,11 @@ def compile_launch(launch, dtypes: dict, arch: int = 90):
         consts[name] = launch.constexprs[name]
     attrs = {(i,): [["tt.divisibility", 16]] for i, (n, a) in
              enumerate(zip(names, list(launch.args) + list(launch.outputs))) if not isinstance(a, Scalar)}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
-                    attrs=attrs)
+    source = ASTSource
+    if hasattr(fn, "is_gluon") and fn.is_gluon():
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                 attrs=attrs)
     opts = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
 

@@ -30,8 +30,60 @@ def _jax_triton():
             os.environ.pop("TRITON_CACHE_DIR", None)
         else:
             os.environ["TRITON_CACHE_DIR"] = saved
+        _enable_gluon_kernels(jax_triton)
         _JT = jax_triton
     return _JT
+
+
+def _enable_gluon_kernels(jax_triton) -> None:
+    """Let ``jax_triton.triton_call`` launch Gluon kernels (jax-triton 0.3.1).
+
+    jax-triton builds every kernel through the Triton-language front end
+    (``code_gen.ast_to_ttir`` with an ``ASTSource``, then ``make_ttir`` and
+    ``make_ttgir``). A Gluon kernel (``fn.is_gluon()``) is written at the TTGIR
+    level: its module must come from Gluon's source object and be lowered by
+    the backend's Gluon stage. Only jax-triton's own two references are
+    rebound (its ``code_gen`` name and ``compile_ttir_to_ptx_inplace``);
+    Triton's modules, and so the torch side, are untouched. Both frameworks
+    then compile the same kernel through the same stages.
+    """
+    import types
+
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    lib = jax_triton.triton_lib
+    if getattr(lib, "_tandem_gluon", False):
+        return
+    code_gen, compile_ptx = lib.code_gen, lib.compile_ttir_to_ptx_inplace
+    gluon_modules = []  # modules built here, recognised by identity when compiled
+
+    def ast_to_ttir(fn, src, *args, **kwargs):
+        if not (hasattr(fn, "is_gluon") and fn.is_gluon()):
+            return code_gen.ast_to_ttir(fn, src, *args, **kwargs)
+        capability = lib.triton_kernel_call_lib.get_compute_capability(0)
+        gsrc = GluonASTSource(fn, src.signature, src.constants, src.attrs)
+        module = gsrc.make_ir(GPUTarget("cuda", capability, 32), kwargs["options"],
+                              kwargs["codegen_fns"], kwargs["module_map"], kwargs["context"])
+        gluon_modules.append(module)
+        return module
+
+    def compile_ttir_to_ptx_inplace(module, backend, options, capability):
+        if not any(m is module for m in gluon_modules):
+            return compile_ptx(module, backend, options, capability)
+        gluon_modules[:] = [m for m in gluon_modules if m is not module]
+        metadata = {}
+        ttgir = backend.gluon_to_ttgir(module, metadata, options, capability)
+        llir = backend.make_llir(ttgir, metadata, options, capability)
+        ptx = backend.make_ptx(llir, metadata, options, capability)
+        return lib.CompilationResult(binary=ptx, name=metadata["name"],
+                                     shared_mem_bytes=metadata["shared"], ttgir=None, llir=None)
+
+    proxy = types.ModuleType(code_gen.__name__)
+    proxy.__dict__.update(vars(code_gen))
+    proxy.ast_to_ttir = ast_to_ttir
+    lib.code_gen = proxy
+    lib.compile_ttir_to_ptx_inplace = compile_ttir_to_ptx_inplace
+    lib._tandem_gluon = True
 
 
 def info(x) -> ArrayInfo:

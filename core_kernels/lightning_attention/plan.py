@@ -90,7 +90,7 @@ def plan_lightning_attention(
     *, block_size: int = 256, output_final_state_only: bool = False,
     block_t: int | None = None, block_e: int | None = None, num_segments: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None,
-    dot_precision: str = DEFAULT_DOT_PRECISION,
+    dot_precision: str = DEFAULT_DOT_PRECISION, use_gluon: bool | None = None,
 ) -> Plan:
     """Plan lightning-attention prefill.
 
@@ -100,7 +100,8 @@ def plan_lightning_attention(
     state [B, H, D, E] when output_final_state_only, else [B, H, NB + 1, D, E]
     with kv[:, :, i] the state before token i * block_size.
     block_t / block_e / num_segments / num_warps / num_stages / dot_precision
-    override the tuning (benchmarks and tests).
+    override the tuning (benchmarks and tests). use_gluon: None picks the Gluon
+    kernel (gluon_kernels.py) wherever it applies, False never, True requires it.
     """
     check_ndim("q", q, 4, "[B, H, N, D]")
     check_dtype("q", q, FLOAT_DTYPES)
@@ -134,6 +135,14 @@ def plan_lightning_attention(
     results = ("output", "kv")
     if b == 0 or h == 0:
         return Plan(buffers, (), results)
+    overrides = (block_t, block_e, num_segments, num_warps, num_stages)
+    gluon_ok = _gluon_applies(q, k, v, kv_history, block_size, output_final_state_only)
+    if use_gluon and not gluon_ok:
+        raise ValueError("use_gluon=True: the Gluon kernel does not apply to these arguments "
+                         "(bf16, D=128, E and N multiples of 64, enough heads, a GPU)")
+    if gluon_ok and (use_gluon or (use_gluon is None and all(x is None for x in overrides))):
+        return _gluon_plan(q, k, v, ed, kv_history, block_size, output_final_state_only, buffers,
+                           results)
 
     block_d = max(16, next_pow2(d))
     if (block_e is None and q.dtype == "bfloat16" and d == block_d <= 128 and e % 64 == 0
@@ -225,6 +234,54 @@ def plan_lightning_attention(
              # fp32's split products spilled at twice the chunk)
              P1_T=2 * block_t if dot_bf16 else block_t, P1_STAGES=2),
         num_warps=num_warps, num_stages=num_stages)
+    return Plan(buffers, (launch,), results)
+
+
+# NOTE: the Gluon prefill (gluon_kernels.py) issues each chunk's products as
+# asynchronous wgmma with explicit waits, which Triton 3.6's tl.dot cannot. H200,
+# B=1, H=64, N=4096, bf16, per-block states: 101.9 us (1.27x the byte floor)
+# against 126.9 us for kernels.py; final state only 87.3 vs 108.9 us (prototype in
+# benchmarks/experiments/exp_lightning_gluon.py). Its scope is below; everything
+# else runs kernels.py.
+GLUON_T = 64
+GLUON_BE = 64
+GLUON_STAGES = 4
+
+
+def _gluon_applies(q, k, v, kv_history, block_size, output_final_state_only) -> bool:
+    b, h, n, d = q.shape
+    e = v.shape[3]
+    if interpret_requested() or q.dtype != "bfloat16" or d != 128 or e % GLUON_BE or n % GLUON_T:
+        return False
+    if not output_final_state_only and block_size % GLUON_T:
+        return False
+    if b * h * (e // GLUON_BE) < MIN_PROGRAMS:  # few heads: the chained scan of kernels.py
+        return False
+    if _align(q.strides[2], k.strides[2], v.strides[2]) < 8:  # 16-byte copies of token rows
+        return False
+    # int32 offsets within one (b, h) slice
+    return max((n - 1) * abs(x.strides[2]) + x.shape[3] for x in (q, k, v)) < 2 ** 31 and n * e < 2 ** 31
+
+
+def _gluon_plan(q, k, v, ed, kv_history, block_size, output_final_state_only, buffers, results):
+    from .gluon_kernels import _gluon_prefill_kernel
+    b, h, n, d = q.shape
+    e = v.shape[3]
+    has_hist = kv_history is not None
+    hist = "kv_history" if has_hist else "ed"  # dummy pointer when absent
+    hist_strides = kv_history.strides[:3] if has_hist else (0, 0, 0)
+    strides = q.strides[:2] + k.strides[:2] + v.strides[:2] + hist_strides
+    align = _align(*strides)
+    launch = Launch(
+        _gluon_prefill_kernel, (b * h * (e // GLUON_BE),),
+        ("q", "k", "v", "ed", hist, Scalar(h), Scalar(n), Scalar(ed.strides[0]),
+         *(Scalar(x // align) for x in strides)),
+        ("output", "kv"),
+        dict(T=GLUON_T, D=d, E=e, BE=GLUON_BE, STAGES=GLUON_STAGES,
+             BLOCK_CHUNKS=0 if output_final_state_only else block_size // GLUON_T,
+             HAS_HISTORY=has_hist, ALIGN=align,
+             STRIDE_QT=q.strides[2], STRIDE_KT=k.strides[2], STRIDE_VT=v.strides[2]),
+        num_warps=4, num_stages=1)
     return Plan(buffers, (launch,), results)
 
 

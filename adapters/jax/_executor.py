@@ -35,6 +35,10 @@ def _jax_triton():
     return _JT
 
 
+def _is_gluon(kernel) -> bool:
+    return hasattr(kernel, "is_gluon") and kernel.is_gluon()
+
+
 def _enable_gluon_kernels(jax_triton) -> None:
     """Let ``jax_triton.triton_call`` launch Gluon kernels (jax-triton 0.3.1).
 
@@ -54,11 +58,14 @@ def _enable_gluon_kernels(jax_triton) -> None:
     lib = jax_triton.triton_lib
     if getattr(lib, "_tandem_gluon", False):
         return
+    needed = ("code_gen", "compile_ttir_to_ptx_inplace", "CompilationResult", "triton_kernel_call_lib")
+    if not all(hasattr(lib, name) for name in needed):
+        return  # another jax-triton: run_plan refuses Gluon launches with a clear error
     code_gen, compile_ptx = lib.code_gen, lib.compile_ttir_to_ptx_inplace
     gluon_modules = []  # modules built here, recognised by identity when compiled
 
     def ast_to_ttir(fn, src, *args, **kwargs):
-        if not (hasattr(fn, "is_gluon") and fn.is_gluon()):
+        if not _is_gluon(fn):
             return code_gen.ast_to_ttir(fn, src, *args, **kwargs)
         capability = lib.triton_kernel_call_lib.get_compute_capability(0)
         gsrc = GluonASTSource(fn, src.signature, src.constants, src.attrs)
@@ -140,6 +147,9 @@ def run_plan(plan: Plan, arrays: dict, runtime: dict | None = None) -> tuple:
     jt = _jax_triton()
     env = dict(arrays)
     for launch in plan.launches:
+        if _is_gluon(launch.kernel) and not getattr(jt.triton_lib, "_tandem_gluon", False):
+            raise RuntimeError(f"{launch.kernel.fn.__name__} is a Gluon kernel, which this jax-triton "
+                               f"({getattr(jt, '__version__', '?')}) cannot compile; use jax-triton 0.3.1")
         in_args, array_pos = [], {}
         for a in launch.args:
             if isinstance(a, Scalar):

@@ -239,10 +239,10 @@ def plan_lightning_attention(
 
 # NOTE: the Gluon prefill (gluon_kernels.py) issues each chunk's products as
 # asynchronous wgmma with explicit waits, which Triton 3.6's tl.dot cannot. H200,
-# B=1, H=64, N=4096, bf16, per-block states: 101.9 us (1.27x the byte floor)
-# against 126.9 us for kernels.py; final state only 87.3 vs 108.9 us (prototype in
-# benchmarks/experiments/exp_lightning_gluon.py). Its scope is below; everything
-# else runs kernels.py.
+# B=1, H=64, N=4096, bf16, per-block states: 99.9 us (1.25x the byte floor; the
+# prototype 101.9) against 126.9 us for kernels.py; final state only 87.0 vs
+# 108.9 us (benchmarks/RESULTS.md, results/experiments/exp_lightning_gluon*.json).
+# Its scope is below; everything else runs kernels.py.
 GLUON_T = 64
 GLUON_BE = 64
 GLUON_STAGES = 4

@@ -29,6 +29,16 @@ _GLUON_INTS = ("num_heads seq_len stride_decay stride_qb stride_qh stride_kb str
                "stride_vb stride_vh stride_hb stride_hh stride_hd").split()
 
 
+@gluon.jit
+def _load_chunk(q_ring, k_ring, v_ring, slot, c, base_q, base_k, base_v, offs_q, offs_k, offs_v,
+                T: gl.constexpr, STRIDE_QT: gl.constexpr, STRIDE_KT: gl.constexpr,
+                STRIDE_VT: gl.constexpr):
+    """Start the cp.async copies of chunk c's q, k, v tiles into ring slot `slot`."""
+    async_copy.async_copy_global_to_shared(q_ring.index(slot), base_q + c * T * STRIDE_QT + offs_q)
+    async_copy.async_copy_global_to_shared(k_ring.index(slot), base_k + c * T * STRIDE_KT + offs_k)
+    async_copy.async_copy_global_to_shared(v_ring.index(slot), base_v + c * T * STRIDE_VT + offs_v)
+
+
 @gluon.jit(do_not_specialize=["seq_len"], do_not_specialize_on_alignment=_GLUON_INTS)
 def _gluon_prefill_kernel(
     q_ptr, k_ptr, v_ptr, decay_ptr, history_ptr,
@@ -97,9 +107,8 @@ def _gluon_prefill_kernel(
     offs_o = r_v[:, None] * E + c_v[None, :]
     for c in gl.static_range(STAGES - 1):
         if c < num_chunks:
-            async_copy.async_copy_global_to_shared(q_ring.index(c), base_q + c * T * STRIDE_QT + offs_q)
-            async_copy.async_copy_global_to_shared(k_ring.index(c), base_k + c * T * STRIDE_KT + offs_k)
-            async_copy.async_copy_global_to_shared(v_ring.index(c), base_v + c * T * STRIDE_VT + offs_v)
+            _load_chunk(q_ring, k_ring, v_ring, c, c, base_q, base_k, base_v, offs_q, offs_k, offs_v,
+                        T, STRIDE_QT, STRIDE_KT, STRIDE_VT)
         async_copy.commit_group()
 
     # decays: q S0 rows by lambda^(i+1), v rows by lambda^(T-1-j), scores by lambda^(i-j)
@@ -137,10 +146,8 @@ def _gluon_prefill_kernel(
         # every iteration, empty or not, so that the wait_group count stays uniform)
         nxt = c + STAGES - 1
         if nxt < num_chunks:
-            slot_n = nxt % STAGES
-            async_copy.async_copy_global_to_shared(q_ring.index(slot_n), base_q + nxt * T * STRIDE_QT + offs_q)
-            async_copy.async_copy_global_to_shared(k_ring.index(slot_n), base_k + nxt * T * STRIDE_KT + offs_k)
-            async_copy.async_copy_global_to_shared(v_ring.index(slot_n), base_v + nxt * T * STRIDE_VT + offs_v)
+            _load_chunk(q_ring, k_ring, v_ring, nxt % STAGES, nxt, base_q, base_k, base_v, offs_q,
+                        offs_k, offs_v, T, STRIDE_QT, STRIDE_KT, STRIDE_VT)
         async_copy.commit_group()
         async_copy.wait_group(STAGES - 1)
         gl.thread_barrier()

@@ -66,6 +66,13 @@ def _align(*values):
     return 1
 
 
+def _token_offsets_fit_int32(q, k, v) -> bool:
+    """Token-row offsets within one (b, h) slice of q, k, v and the contiguous
+    output fit in int32 (both prefill kernels then skip 64-bit address math)."""
+    n, e = q.shape[2], v.shape[3]
+    return max((n - 1) * abs(x.strides[2]) + x.shape[3] for x in (q, k, v)) < 2 ** 31 and n * e < 2 ** 31
+
+
 def _check_decay(name, info, h):
     if tuple(info.shape) not in ((h,), (h, 1, 1)):
         raise ValueError(f"{name}: expected shape ({h},) or ({h}, 1, 1), got {tuple(info.shape)}")
@@ -207,7 +214,8 @@ def plan_lightning_attention(
     strides = q.strides[:3] + k.strides[:3] + v.strides[:3] + out_strides + hist_strides
     align = _align(*strides, *pub_strides, *kv_strides)
     a = lambda xs: tuple(Scalar(x // align) for x in xs)  # noqa: E731
-    even_tiles = d == block_d and e % block_e == 0
+    even_d, even_e = d == block_d, e % block_e == 0
+    even_tiles = even_d and even_e
     dot_bf16 = q.dtype == "bfloat16" and even_tiles
     launch = Launch(
         _lightning_prefill_kernel, (num_segments * programs,),
@@ -216,7 +224,7 @@ def plan_lightning_attention(
          Scalar(ed.strides[0]), *a(strides), *a(pub_strides), *a(kv_strides)),
         ("output", "kv", "seg_state", "sync"),
         dict(BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_E=block_e, CHUNKS=chunks, N_E=n_e,
-             EVEN_D=d == block_d, EVEN_E=e % block_e == 0, HAS_HISTORY=has_hist,
+             EVEN_D=even_d, EVEN_E=even_e, HAS_HISTORY=has_hist,
              STORE_BLOCK_STATES=not output_final_state_only, PUBLISH_IN_KV=publish_in_kv,
              SEGMENTED=segmented,
              DOT_BF16=dot_bf16,
@@ -227,9 +235,7 @@ def plan_lightning_attention(
              SPLIT_STATE=(not dot_bf16 and even_tiles and dot_precision == "tf32"
                           and not interpret_requested()),
              DOT_PRECISION=dot_precision, ALIGN=align,
-             # token-row offsets within one (b, h) slice fit in int32?
-             OFFS_64=max((n - 1) * abs(x.strides[2]) + x.shape[3]
-                         for x in (q, k, v, ArrayInfo.contiguous((b, h, n, e), q.dtype))) >= 2 ** 31,
+             OFFS_64=not _token_offsets_fit_int32(q, k, v),
              # segments' first pass (state products only): twice the chunk, 2 stages (bf16;
              # fp32's split products spilled at twice the chunk)
              P1_T=2 * block_t if dot_bf16 else block_t, P1_STAGES=2),
@@ -259,8 +265,7 @@ def _gluon_applies(q, k, v, kv_history, block_size, output_final_state_only) -> 
         return False
     if _align(q.strides[2], k.strides[2], v.strides[2]) < 8:  # 16-byte copies of token rows
         return False
-    # int32 offsets within one (b, h) slice
-    return max((n - 1) * abs(x.strides[2]) + x.shape[3] for x in (q, k, v)) < 2 ** 31 and n * e < 2 ** 31
+    return _token_offsets_fit_int32(q, k, v)
 
 
 def _gluon_plan(q, k, v, ed, kv_history, block_size, output_final_state_only, buffers, results):

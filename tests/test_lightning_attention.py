@@ -431,7 +431,7 @@ def _reference_torch64(q, k, v, ed, kvh, block_size):
 
 @requires_gpu
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-# (2, 8): segmented plan; (1, 64, 1536): bf16 runs the Gluon kernel
+# (2, 8): segmented plan; (1, 64, 1536): bf16 and fp32 run the Gluon kernels
 @pytest.mark.parametrize("b,h,n", [(1, 64, 1500), (2, 8, 2100), (1, 64, 1536)])
 def test_gpu_real_size_prefill(dtype, b, h, n):
     q, k, v, ed, kvh = make_prefill(b, h, n, 128, 128, dtype)
@@ -450,50 +450,57 @@ def test_gpu_real_size_prefill(dtype, b, h, n):
 
 
 def test_gluon_kernel_only_where_it_applies():
-    """The planner picks the Gluon kernel only for bf16, D=128, E and N (and
-    block_size) multiples of 64 with enough heads, on a GPU; use_gluon=True
-    outside that scope is a clear error, use_gluon=False always gives Triton."""
+    """The planner picks a Gluon kernel only for bf16 or fp32 (tf32 products),
+    D=128, E and N (and block_size) multiples of 64 with enough heads, on a GPU;
+    use_gluon=True outside that scope is a clear error, use_gluon=False always
+    gives Triton."""
     def kernel(shape_q, e, dtype="bfloat16", **kw):
         q = ArrayInfo.contiguous(shape_q, dtype)
         v = ArrayInfo.contiguous(shape_q[:3] + (e,), dtype)
         h = shape_q[1]
         return plan_lightning_attention(q, q, v, ArrayInfo.contiguous((h,), "float32"),
                                         **kw).launches[0].kernel.fn.__name__
-    gluon, triton_k = "_gluon_prefill_kernel", "_lightning_prefill_kernel"
+    triton_k = "_lightning_prefill_kernel"
     assert kernel((1, 64, 256, 128), 128, use_gluon=False) == triton_k
-    for args, kw in [(((1, 64, 250, 128), 128), {}), (((1, 64, 256, 128), 128, "float32"), {}),
+    for args, kw in [(((1, 64, 250, 128), 128), {}), (((1, 64, 256, 128), 128, "float16"), {}),
+                     (((1, 64, 256, 128), 128, "float32"), dict(dot_precision="ieee")),
                      (((1, 8, 256, 128), 128), {}), (((1, 64, 256, 96), 128), {}),
                      (((1, 64, 256, 128), 128), dict(block_size=100))]:
         assert kernel(*args, **kw) == triton_k, args
         with pytest.raises(ValueError, match="use_gluon"):
             kernel(*args, use_gluon=True, **kw)
-    expected = gluon if GPU else triton_k  # the interpreter cannot run Gluon
-    assert kernel((1, 64, 256, 128), 128) == expected
-    assert kernel((2, 64, 256, 128), 256, output_final_state_only=True, block_size=100) == expected
+    for dtype, gluon in (("bfloat16", "_gluon_prefill_kernel"), ("float32", "_gluon_prefill_tf32_kernel")):
+        expected = gluon if GPU else triton_k  # the interpreter cannot run Gluon
+        assert kernel((1, 64, 256, 128), 128, dtype) == expected
+        assert kernel((2, 64, 256, 128), 256, dtype, output_final_state_only=True,
+                      block_size=100) == expected
 
 
 @requires_gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("fso", [False, True])
 @pytest.mark.parametrize("history", [False, True])
-def test_gpu_gluon_prefill_strided_inputs(fso, history):
-    """The Gluon kernel (bf16, D=128, N and block_size multiples of 64) on the
-    [B, N, H, D] layout models keep (a transposed view), against the float64
-    recurrence and the Triton kernel, and torch vs JAX bit for bit."""
+def test_gpu_gluon_prefill_strided_inputs(dtype, fso, history):
+    """The Gluon kernels (bf16 / fp32, D=128, N and block_size multiples of 64)
+    on the [B, N, H, D] layout models keep (a transposed view), against the
+    float64 recurrence and the Triton kernel, and torch vs JAX bit for bit."""
     b, h, n, bs = 1, 64, 640, 128
-    q, k, v, ed, kvh = make_prefill(b, h, n, 128, 128, "bfloat16", history=history)
+    q, k, v, ed, kvh = make_prefill(b, h, n, 128, 128, dtype, history=history)
     views = [to_torch(np.ascontiguousarray(x.transpose(0, 2, 1, 3))).transpose(1, 2) for x in (q, k, v)]
-    infos = [ArrayInfo(tuple(t.shape), "bfloat16", tuple(t.stride())) for t in views]
+    infos = [ArrayInfo(tuple(t.shape), dtype, tuple(t.stride())) for t in views]
     hinfo = None if kvh is None else ci(kvh)
     plan = plan_lightning_attention(*infos, ci(ed), hinfo, block_size=bs, output_final_state_only=fso)
-    assert plan.launches[0].kernel.fn.__name__ == "_gluon_prefill_kernel"
+    gluon = "_gluon_prefill_kernel" if dtype == "bfloat16" else "_gluon_prefill_tf32_kernel"
+    assert plan.launches[0].kernel.fn.__name__ == gluon
     th = None if kvh is None else to_torch(kvh)
     o, kv = at.lightning_attention(*views, to_torch(ed), bs, th, fso)
     o, kv = torch_to_numpy(o), torch_to_numpy(kv)
     zero = np.zeros((b, h, 128, 128), np.float32)
     ref_out, ref_kv = _reference_torch64(q, k, v, ed, zero if kvh is None else kvh, bs)
-    check_relative(o, ref_out, "bfloat16", "output")
-    check_relative(kv, ref_kv[:, :, -1] if fso else ref_kv, "bfloat16", "states")
-    # the Triton kernel on the same inputs: the same products, so rounding-level agreement
+    check_relative(o, ref_out, dtype, "output")
+    check_relative(kv, ref_kv[:, :, -1] if fso else ref_kv, dtype, "states")
+    # the Triton kernel on the same inputs: rounding-level agreement (bf16: the
+    # same products; fp32: tf32 here, a bf16 hi/lo split state product there)
     plan_t = plan_lightning_attention(*infos, ci(ed), hinfo, block_size=bs,
                                       output_final_state_only=fso, use_gluon=False)
     assert plan_t.launches[0].kernel.fn.__name__ == "_lightning_prefill_kernel"
@@ -502,8 +509,8 @@ def test_gpu_gluon_prefill_strided_inputs(fso, history):
     if th is not None:
         tensors["kv_history"] = th
     env = run_plan(plan_t, tensors)
-    check_relative(o, torch_to_numpy(env["output"]), "bfloat16", "output vs the Triton kernel")
-    check_relative(kv, torch_to_numpy(env["kv"]), "bfloat16", "states vs the Triton kernel")
+    check_relative(o, torch_to_numpy(env["output"]), dtype, "output vs the Triton kernel")
+    check_relative(kv, torch_to_numpy(env["kv"]), dtype, "states vs the Triton kernel")
     j = run_prefill("jax", q, k, v, ed, kvh, bs, fso, jit=True)
     assert_bitwise_equal(o, j[0], "output torch vs jax")
     assert_bitwise_equal(kv, j[1], "states torch vs jax")

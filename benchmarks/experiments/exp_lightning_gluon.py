@@ -1,18 +1,29 @@
-"""Experiment: lightning prefill (bf16), the Gluon kernel against the Triton kernel.
+"""Experiment: lightning prefill, the Gluon kernels against the Triton kernel.
 
-The Gluon kernel (core_kernels/lightning_attention/gluon_kernels.py) started
-here as a standalone prototype (final state only, contiguous inputs); its
+The bf16 Gluon kernel (core_kernels/lightning_attention/gluon_kernels.py)
+started as a standalone prototype (final state only, contiguous inputs); its
 measurements are in results/experiments/exp_lightning_gluon_first.json (ring
 depth 2-4, E-tile 32/64) and exp_lightning_gluon.json (with per-block states).
-This script now times the production kernels on one shape through the planner
-(use_gluon=True / False), with the L2 flushed, and checks that they agree.
+This script times the production kernels through the planner (use_gluon=True /
+False) with the L2 flushed, plus constexpr variants of the Gluon launch
+(EXP_VARIANTS, a JSON list of dicts, e.g. '[{"OVERLAP": true}]'), and checks
+that every variant agrees with the Triton kernel.
 
-    python3 -m benchmarks.experiments.exp_lightning_gluon   (GPU only)
+    EXP_DTYPES=float32,bfloat16 EXP_SHAPES=1x64x4096,4x64x1024 \\
+        python3 -m benchmarks.experiments.exp_lightning_gluon   (GPU only)
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+
+
+def _with_constexprs(plan, **kw):
+    """The plan with its one launch's constexprs updated."""
+    launch = plan.launches[0]
+    launch = dataclasses.replace(launch, constexprs={**launch.constexprs, **kw})
+    return dataclasses.replace(plan, launches=(launch,))
 
 
 def main():
@@ -22,29 +33,50 @@ def main():
     from benchmarks import timing
     from benchmarks.bench_lightning_attention import _prefill_bytes, _prefill_inputs
     from core_kernels.lightning_attention import plan_lightning_attention
+    dtypes = os.environ.get("EXP_DTYPES", "bfloat16").split(",")
+    shapes = [tuple(int(x) for x in s.split("x"))
+              for s in os.environ.get("EXP_SHAPES", "1x64x4096").split(",")]
+    variants = json.loads(os.environ.get("EXP_VARIANTS", "[]"))
     copy_bw = timing.copy_bandwidth()
     rows = []
-    q, k, v, ed = _prefill_inputs(1, 64, 4096, 128, 128, "bfloat16")[0]
-    tensors = dict(q=q, k=k, v=v, ed=ed)
-    for fso in (False, True):
-        outs = {}
-        for use_gluon in (False, True):
-            plan = plan_lightning_attention(info(q), info(k), info(v), info(ed), None, block_size=256,
-                                            output_final_state_only=fso, use_gluon=use_gluon)
-            outs[use_gluon] = run_plan(plan, tensors)
-            t = timing.kernel_time_torch(lambda: run_plan(plan, tensors))
-            nbytes = _prefill_bytes(1, 64, 4096, 128, 128, "bfloat16", 256, fso)
-            rows.append(dict(name=f"{'gluon' if use_gluon else 'triton'}-{'final' if fso else 'states'}",
-                             us=t * 1e6, x_floor=t / (nbytes / copy_bw)))
-        a, b = outs[True], outs[False]
-        rows[-1].update(
-            rel_err_vs_triton=((a["output"].float() - b["output"].float()).norm()
-                               / b["output"].float().norm()).item(),
-            kv_equal=bool(torch.equal(a["kv"], b["kv"])))
-        for r in rows[-2:]:
-            print(r, flush=True)
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    for dtype in dtypes:
+        for b, h, n in shapes:
+            q, k, v, ed = _prefill_inputs(b, h, n, 128, 128, dtype)[0]
+            tensors = dict(q=q, k=k, v=v, ed=ed)
+            for fso in (False, True):
+                nbytes = _prefill_bytes(b, h, n, 128, 128, dtype, 256, fso)
+                plans = {}
+                for use_gluon in (False, True):
+                    plans["gluon" if use_gluon else "triton"] = plan_lightning_attention(
+                        info(q), info(k), info(v), info(ed), None, block_size=256,
+                        output_final_state_only=fso, use_gluon=use_gluon)
+                for i, var in enumerate(variants):
+                    plans[f"gluon-{json.dumps(var, separators=(',', ':'))}"] = _with_constexprs(
+                        plans["gluon"], **var)
+                ref = None
+                for name, plan in plans.items():
+                    row = dict(name=f"{name}-{dtype}-B{b}-H{h}-N{n}-{'final' if fso else 'states'}")
+                    try:
+                        out = run_plan(plan, tensors)
+                        t = timing.kernel_time_torch(lambda: run_plan(plan, tensors))
+                        row.update(us=t * 1e6, x_floor=t / (nbytes / copy_bw),
+                                   tb_s=nbytes / t / 1e12)
+                        if ref is None:
+                            ref = out
+                        else:
+                            row.update(rel_out_vs_triton=rel(out["output"], ref["output"]),
+                                       rel_kv_vs_triton=rel(out["kv"], ref["kv"]),
+                                       kv_equal=bool(torch.equal(out["kv"], ref["kv"])))
+                    except Exception as exc:  # a variant that fails to compile or run
+                        row.update(error=f"{type(exc).__name__}: {str(exc)[-300:]}")
+                    rows.append(row)
+                    print(row, flush=True)
     with open(os.path.join(os.environ.get("OUT", "."), "exp_lightning_gluon_vs_triton.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+        json.dump(dict(copy_tb_s=copy_bw / 1e12, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

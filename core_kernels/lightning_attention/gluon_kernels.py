@@ -179,3 +179,180 @@ def _gluon_prefill_kernel(
         gl.store(kv_base + num_blocks * D * E + offs_s, b_s)
     else:
         gl.store(kv_base + offs_s, b_s)
+
+
+@gluon.jit
+def _exp2_ftz(x):
+    """2^x as one MUFU.EX2 (ex2.approx.ftz): results below fp32's normal range are
+    flushed to 0. gl.exp2 / gl.exp compile to the non-ftz form, which ptxas
+    wraps in a range check and two rescaling multiplies (6 instructions)."""
+    return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit(do_not_specialize=["seq_len"], do_not_specialize_on_alignment=_GLUON_INTS)
+def _gluon_prefill_tf32_kernel(
+    q_ptr, k_ptr, v_ptr, decay_ptr, history_ptr,
+    num_heads, seq_len, stride_decay,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+    stride_hb, stride_hh, stride_hd,
+    o_ptr, kv_ptr,
+    T: gl.constexpr, D: gl.constexpr, E: gl.constexpr, BE: gl.constexpr, STAGES: gl.constexpr,
+    BLOCK_CHUNKS: gl.constexpr, HAS_HISTORY: gl.constexpr, ALIGN: gl.constexpr,
+    STRIDE_QT: gl.constexpr, STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr,
+    OVERLAP: gl.constexpr, P_SMEM: gl.constexpr,
+):
+    """_gluon_prefill_kernel for fp32 inputs: every product in tf32 (fp32 accumulation).
+
+    tf32 wgmma reads both operands contiguous along the contraction (no
+    transposed operands, unlike bf16). q k^T and q S contract over D, along
+    which q and k are stored; the two products over tokens get their operands
+    by copies made in registers each chunk:
+        q S     B = S^T, the state stored transposed into shared memory
+        P v     B = v^T, v stored transposed into shared memory
+        k^T v_d A = (k * lambda^(T-1-j))^T, loaded transposed into registers;
+                B = v^T (the decay is put on k, so both products share v^T)
+    """
+    stride_qb, stride_qh, stride_kb, stride_kh = (stride_qb * ALIGN, stride_qh * ALIGN,
+                                                  stride_kb * ALIGN, stride_kh * ALIGN)
+    stride_vb, stride_vh = stride_vb * ALIGN, stride_vh * ALIGN
+    stride_hb, stride_hh, stride_hd = stride_hb * ALIGN, stride_hh * ALIGN, stride_hd * ALIGN
+    N_E: gl.constexpr = E // BE
+    ld_qk: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])   # [T, D] fp32 copies
+    ld_v: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])    # [T, BE] fp32 copies
+    # v read back 4 tokens per thread, so that v^T is stored in 16-byte pieces
+    ld_vt: gl.constexpr = gl.BlockedLayout([4, 1], [1, 32], [1, 4], [0, 1])   # [T, BE]
+    mma_tt: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, T, 8])
+    mma_te: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BE, 8])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_te, k_width=1)
+    sh_qk: gl.constexpr = gl.NVMMASharedLayout.get_default_for([T, D], gl.float32)
+    sh_v: gl.constexpr = gl.NVMMASharedLayout.get_default_for([T, BE], gl.float32)
+    sh_st: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BE, D], gl.float32)
+    sh_vt: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BE, T], gl.float32)
+
+    pid = gl.program_id(0)
+    i_e = pid % N_E
+    i_bh = pid // N_E
+    i_b = (i_bh // num_heads).to(gl.int64)
+    i_h = (i_bh % num_heads).to(gl.int64)
+    s = gl.load(decay_ptr + i_h * stride_decay)
+    e0 = i_e * BE
+    base_q = q_ptr + (i_b * stride_qb + i_h * stride_qh)
+    base_k = k_ptr + (i_b * stride_kb + i_h * stride_kh)
+    base_v = v_ptr + (i_b * stride_vb + i_h * stride_vh + e0)
+    base_o = o_ptr + (i_bh.to(gl.int64) * seq_len * E + e0)
+    num_chunks = seq_len // T
+
+    q_ring = gl.allocate_shared_memory(gl.float32, [STAGES, T, D], sh_qk)
+    k_ring = gl.allocate_shared_memory(gl.float32, [STAGES, T, D], sh_qk)
+    v_ring = gl.allocate_shared_memory(gl.float32, [STAGES, T, BE], sh_v)
+    st_buf = gl.allocate_shared_memory(gl.float32, [1, BE, D], sh_st)
+    vt_buf = gl.allocate_shared_memory(gl.float32, [1, BE, T], sh_vt)
+    if P_SMEM:
+        sh_p: gl.constexpr = gl.NVMMASharedLayout.get_default_for([T, T], gl.float32)
+        p_buf = gl.allocate_shared_memory(gl.float32, [1, T, T], sh_p)
+
+    r_qk = gl.arange(0, T, layout=gl.SliceLayout(1, ld_qk))
+    c_qk = gl.arange(0, D, layout=gl.SliceLayout(0, ld_qk))
+    r_v = gl.arange(0, T, layout=gl.SliceLayout(1, ld_v))
+    c_v = gl.arange(0, BE, layout=gl.SliceLayout(0, ld_v))
+    offs_q = r_qk[:, None] * STRIDE_QT + c_qk[None, :]
+    offs_k = r_qk[:, None] * STRIDE_KT + c_qk[None, :]
+    offs_v = r_v[:, None] * STRIDE_VT + c_v[None, :]
+    for c in gl.static_range(STAGES - 1):
+        if c < num_chunks:
+            _load_chunk(q_ring, k_ring, v_ring, c, c, base_q, base_k, base_v, offs_q, offs_k, offs_v,
+                        T, STRIDE_QT, STRIDE_KT, STRIDE_VT)
+        async_copy.commit_group()
+
+    t_te = gl.arange(0, T, layout=gl.SliceLayout(1, mma_te))
+    q_decay = gl.exp(-s * (t_te + 1).to(gl.float32))
+    t_a = gl.arange(0, T, layout=gl.SliceLayout(0, a_op))
+    i_tt = gl.arange(0, T, layout=gl.SliceLayout(1, mma_tt)).to(gl.float32)
+    j_tt = gl.arange(0, T, layout=gl.SliceLayout(0, mma_tt))
+    chunk_decay = gl.exp(-s * T)
+    s_log2 = -s * 1.4426950408889634  # lambda^x = 2^(x * s_log2)
+
+    r_s = gl.arange(0, D, layout=gl.SliceLayout(1, mma_te))
+    c_s = gl.arange(0, BE, layout=gl.SliceLayout(0, mma_te))
+    offs_s = r_s[:, None] * E + c_s[None, :]
+    if HAS_HISTORY:
+        b_s = gl.load(history_ptr + (i_b * stride_hb + i_h * stride_hh + e0)
+                      + r_s[:, None] * stride_hd + c_s[None, :])
+    else:
+        b_s = gl.zeros([D, BE], gl.float32, layout=mma_te)
+    if BLOCK_CHUNKS > 0:
+        num_blocks = (num_chunks + BLOCK_CHUNKS - 1) // BLOCK_CHUNKS
+        kv_base = kv_ptr + (i_bh.to(gl.int64) * (num_blocks + 1) * D * E + e0)
+    else:
+        kv_base = kv_ptr + (i_bh.to(gl.int64) * D * E + e0)
+    zero_tt = gl.zeros([T, T], gl.float32, layout=mma_tt)
+    zero_te = gl.zeros([T, BE], gl.float32, layout=mma_te)
+    for c in range(num_chunks):
+        if BLOCK_CHUNKS > 0:
+            if c % BLOCK_CHUNKS == 0:
+                gl.store(kv_base + (r_s + (c // BLOCK_CHUNKS) * D)[:, None] * E + c_s[None, :], b_s)
+        # chunk c has landed; once every warp is past the barrier, the slot
+        # chunk c-1 used is free for chunk c+STAGES-1
+        async_copy.wait_group(STAGES - 2)
+        gl.thread_barrier()
+        nxt = c + STAGES - 1
+        if nxt < num_chunks:
+            _load_chunk(q_ring, k_ring, v_ring, nxt % STAGES, nxt, base_q, base_k, base_v, offs_q,
+                        offs_k, offs_v, T, STRIDE_QT, STRIDE_KT, STRIDE_VT)
+        async_copy.commit_group()
+        slot = c % STAGES
+        # NOTE: `zero` is 0 through an opaque copy. Values derived from it are
+        # rebuilt every chunk instead of being hoisted out of the loop into
+        # registers (ptxas then spilled 236-484 bytes): the wgmma descriptors of
+        # the two transposed buffers, the decay factors of k (16 registers) and
+        # the [T, T] decay mask (32 registers).
+        zero = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [c], dtype=gl.int32,
+                                         is_pure=False, pack=1)
+        st_smem = st_buf.index(zero)
+        vt_smem = vt_buf.index(zero)
+        q_s = q_ring.index(slot)
+        k_s = k_ring.index(slot)
+        v_s = v_ring.index(slot)
+        vt_smem.store(gl.permute(v_s.load(ld_vt), (1, 0)))
+        st_smem.store(gl.permute(b_s, (1, 0)))
+        b_s = b_s * chunk_decay
+        fence_async_shared()
+        gl.thread_barrier()
+        acc_qs = warpgroup_mma(q_s, st_smem.permute((1, 0)), zero_te, use_acc=False,
+                               is_async=True)
+        acc_qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_tt, use_acc=False,
+                               is_async=True)
+        k_decay = _exp2_ftz((T - 1 - t_a + zero).to(gl.float32) * s_log2)
+        kt = k_s.permute((1, 0)).load(a_op) * k_decay[None, :]
+        acc_s = warpgroup_mma(kt, vt_smem.permute((1, 0)), b_s, is_async=True)
+        if OVERLAP:  # P formed while the state update runs
+            acc_qs, acc_qk = warpgroup_mma_wait(num_outstanding=1, deps=(acc_qs, acc_qk))
+        else:  # the state update completes first, which frees k^T's registers
+            acc_qs, acc_qk, acc_s = warpgroup_mma_wait(num_outstanding=0,
+                                                       deps=(acc_qs, acc_qk, acc_s, kt))[:3]
+        b_o = acc_qs * q_decay[:, None]
+        diff = i_tt[:, None] - (j_tt + zero).to(gl.float32)[None, :]
+        p = gl.where(diff >= 0, acc_qk * _exp2_ftz(diff * s_log2), 0.0)
+        if P_SMEM:
+            p_smem = p_buf.index(zero)
+            p_smem.store(p)
+            fence_async_shared()
+            gl.thread_barrier()
+            p = p_smem
+        else:
+            p = gl.convert_layout(p, a_op)
+        acc_o = warpgroup_mma(p, vt_smem.permute((1, 0)), b_o, is_async=True)
+        if OVERLAP:
+            b_s, acc_o = warpgroup_mma_wait(num_outstanding=0, deps=(acc_s, acc_o, kt, p))[:2]
+        else:
+            acc_o = warpgroup_mma_wait(num_outstanding=0, deps=(acc_o, p))[0]
+            b_s = acc_s
+        gl.store(base_o + (t_te + c * T)[:, None] * E + c_s[None, :], acc_o)
+    async_copy.wait_group(0)
+    if BLOCK_CHUNKS > 0:
+        gl.store(kv_base + num_blocks * D * E + offs_s, b_s)
+    else:
+        gl.store(kv_base + offs_s, b_s)

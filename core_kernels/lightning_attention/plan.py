@@ -14,14 +14,16 @@ DOT_PRECISIONS = ("tf32", "tf32x3", "ieee")
 # Measured on the H200 (B=1, H=64, N=4096, D=E=128, fp32): tf32 550-606 us,
 # tf32x3 ~4.0 ms, ieee ~21.5 ms (fp32 on the CUDA cores), so only tf32 can get
 # near the byte floor; the kernel this op is modelled on also multiplies in
-# tf32. The state is always accumulated in fp32. Caveat (open): the GPU test at
-# H=64, D=128, N=1500 measured a max error of 2.7-5.4% of the output RMS in
-# fp32/fp16 (small shapes on the GPU stay within 0.5%); not yet explained.
+# tf32. The state is always accumulated in fp32. (At H=64, N=1500 the no-decay
+# head's outputs dwarf the others', so an error measured against the global RMS
+# reached 2.7-5.4% there: tf32 rounding of the large head; per head the relative
+# error is ~4e-4, see tests/test_lightning_attention.check_relative.)
 # Pass dot_precision="ieee" to the planner for exact-fp32 products. The
-# interpreter (CPU) is always exact fp32. With "tf32" and whole tiles, the state
-# product k^T v is computed from bf16 hi/lo pairs instead (three bf16 MMAs,
-# ~16 significant bits: more precise than tf32, and 1.4x faster for the whole
-# prefill because bf16 MMAs read the transposed k natively; kernels._state_product).
+# interpreter (CPU) is always exact fp32. In kernels.py, with "tf32" and whole
+# tiles, the state product k^T v is computed from bf16 hi/lo pairs instead (three
+# bf16 MMAs, ~16 significant bits: more precise than tf32, and 1.4x faster for the
+# whole prefill because bf16 MMAs read the transposed k natively;
+# kernels._state_product). The fp32 Gluon kernel makes all four products tf32.
 DEFAULT_DOT_PRECISION = "tf32"
 # NOTE: one program per (b, h, E-tile) keeps a [D, BLOCK_E] fp32 state in
 # registers. Chunk length / E-tile / warps / stages from ptxas' resource report
@@ -143,10 +145,11 @@ def plan_lightning_attention(
     if b == 0 or h == 0:
         return Plan(buffers, (), results)
     overrides = (block_t, block_e, num_segments, num_warps, num_stages)
-    gluon_ok = _gluon_applies(q, k, v, kv_history, block_size, output_final_state_only)
+    gluon_ok = _gluon_applies(q, k, v, kv_history, block_size, output_final_state_only, dot_precision)
     if use_gluon and not gluon_ok:
         raise ValueError("use_gluon=True: the Gluon kernel does not apply to these arguments "
-                         "(bf16, D=128, E and N multiples of 64, enough heads, a GPU)")
+                         "(bf16 or fp32 with tf32 products, D=128, E and N multiples of 64, "
+                         "enough heads, a GPU)")
     if gluon_ok and (use_gluon or (use_gluon is None and all(x is None for x in overrides))):
         return _gluon_plan(q, k, v, ed, kv_history, block_size, output_final_state_only, buffers,
                            results)
@@ -243,33 +246,49 @@ def plan_lightning_attention(
     return Plan(buffers, (launch,), results)
 
 
-# NOTE: the Gluon prefill (gluon_kernels.py) issues each chunk's products as
+# NOTE: the Gluon prefills (gluon_kernels.py) issue each chunk's products as
 # asynchronous wgmma with explicit waits, which Triton 3.6's tl.dot cannot. H200,
-# B=1, H=64, N=4096, bf16, per-block states: 99.9 us (1.25x the byte floor; the
-# prototype 101.9) against 126.9 us for kernels.py; final state only 87.0 vs
-# 108.9 us (benchmarks/RESULTS.md, results/experiments/exp_lightning_gluon*.json).
-# Its scope is below; everything else runs kernels.py.
+# B=1, H=64, N=4096, per-block states: bf16 99.9 us (1.25x the byte floor; the
+# prototype 101.9) against 126.9 us for kernels.py, final state only 87.0 vs
+# 108.9 us; fp32 (tf32 products) 214.5 vs 421.7 us (benchmarks/RESULTS.md,
+# results/experiments/exp_lightning_gluon*.json). Their scope is below;
+# everything else runs kernels.py.
 GLUON_T = 64
 GLUON_BE = 64
-GLUON_STAGES = 4
+# load ring depth: 4 x 40 KB of bf16 chunks; fp32 chunks are 80 KB and, with
+# the transposed copies of the state and v, only 2 fit in shared memory
+GLUON_STAGES = {"bfloat16": 4, "float32": 2}
+# fp32 kernel (_gluon_prefill_tf32_kernel): wait for the state update before
+# forming P (OVERLAP False) or form P while it runs; hand P to its MMA in
+# registers or through shared memory (P_SMEM). H200, B=1, H=64, N=4096, per-block
+# states: 214.5 / 215.9 (OVERLAP + P_SMEM) / 218.2 (P_SMEM) / 303.3 us (OVERLAP:
+# ptxas spills); the Triton kernel 421.7 us
+# (results/experiments/exp_lightning_gluon_tf32_variants.json).
+GLUON_TF32 = dict(OVERLAP=False, P_SMEM=False)
 
 
-def _gluon_applies(q, k, v, kv_history, block_size, output_final_state_only) -> bool:
+def _gluon_applies(q, k, v, kv_history, block_size, output_final_state_only,
+                   dot_precision=DEFAULT_DOT_PRECISION) -> bool:
     b, h, n, d = q.shape
     e = v.shape[3]
-    if interpret_requested() or q.dtype != "bfloat16" or d != 128 or e % GLUON_BE or n % GLUON_T:
+    if interpret_requested() or d != 128 or e % GLUON_BE or n % GLUON_T:
+        return False
+    if not (q.dtype == "bfloat16" or (q.dtype == "float32" and dot_precision == "tf32")):
         return False
     if not output_final_state_only and block_size % GLUON_T:
         return False
     if b * h * (e // GLUON_BE) < MIN_PROGRAMS:  # few heads: the chained scan of kernels.py
         return False
-    if _align(q.strides[2], k.strides[2], v.strides[2]) < 8:  # 16-byte copies of token rows
+    elems = 16 // (4 if q.dtype == "float32" else 2)
+    if _align(q.strides[2], k.strides[2], v.strides[2]) < elems:  # 16-byte copies of token rows
         return False
-    return _token_offsets_fit_int32(q, k, v)
+    # per-(b, h) offsets of the per-block states are int32 too
+    states = 1 if output_final_state_only else cdiv(n, block_size) + 1
+    return _token_offsets_fit_int32(q, k, v) and states * d * e < 2 ** 31
 
 
 def _gluon_plan(q, k, v, ed, kv_history, block_size, output_final_state_only, buffers, results):
-    from .gluon_kernels import _gluon_prefill_kernel
+    from .gluon_kernels import _gluon_prefill_kernel, _gluon_prefill_tf32_kernel
     b, h, n, d = q.shape
     e = v.shape[3]
     has_hist = kv_history is not None
@@ -277,15 +296,17 @@ def _gluon_plan(q, k, v, ed, kv_history, block_size, output_final_state_only, bu
     hist_strides = kv_history.strides[:3] if has_hist else (0, 0, 0)
     strides = q.strides[:2] + k.strides[:2] + v.strides[:2] + hist_strides
     align = _align(*strides)
+    fp32 = q.dtype == "float32"
     launch = Launch(
-        _gluon_prefill_kernel, (b * h * (e // GLUON_BE),),
+        _gluon_prefill_tf32_kernel if fp32 else _gluon_prefill_kernel, (b * h * (e // GLUON_BE),),
         ("q", "k", "v", "ed", hist, Scalar(h), Scalar(n), Scalar(ed.strides[0]),
          *(Scalar(x // align) for x in strides)),
         ("output", "kv"),
-        dict(T=GLUON_T, D=d, E=e, BE=GLUON_BE, STAGES=GLUON_STAGES,
+        dict(T=GLUON_T, D=d, E=e, BE=GLUON_BE, STAGES=GLUON_STAGES[q.dtype],
              BLOCK_CHUNKS=0 if output_final_state_only else block_size // GLUON_T,
              HAS_HISTORY=has_hist, ALIGN=align,
-             STRIDE_QT=q.strides[2], STRIDE_KT=k.strides[2], STRIDE_VT=v.strides[2]),
+             STRIDE_QT=q.strides[2], STRIDE_KT=k.strides[2], STRIDE_VT=v.strides[2],
+             **(GLUON_TF32 if fp32 else {})),
         num_warps=4, num_stages=1)
     return Plan(buffers, (launch,), results)
 

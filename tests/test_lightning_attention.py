@@ -451,7 +451,7 @@ def test_gpu_real_size_prefill(dtype, b, h, n):
 
 def test_gluon_kernel_only_where_it_applies():
     """The planner picks a Gluon kernel only for bf16 or fp32 (tf32 products),
-    D=128, E and N (and block_size) multiples of 64 with enough heads, on a GPU;
+    D=128, E and N (and block_size) multiples of 64, on a GPU;
     use_gluon=True outside that scope is a clear error, use_gluon=False always
     gives Triton."""
     def kernel(shape_q, e, dtype="bfloat16", **kw):
@@ -464,7 +464,7 @@ def test_gluon_kernel_only_where_it_applies():
     assert kernel((1, 64, 256, 128), 128, use_gluon=False) == triton_k
     for args, kw in [(((1, 64, 250, 128), 128), {}), (((1, 64, 256, 128), 128, "float16"), {}),
                      (((1, 64, 256, 128), 128, "float32"), dict(dot_precision="ieee")),
-                     (((1, 8, 256, 128), 128), {}), (((1, 64, 256, 96), 128), {}),
+                     (((1, 64, 256, 96), 128), {}),
                      (((1, 64, 256, 128), 128), dict(block_size=100))]:
         assert kernel(*args, **kw) == triton_k, args
         with pytest.raises(ValueError, match="use_gluon"):
@@ -474,17 +474,19 @@ def test_gluon_kernel_only_where_it_applies():
         assert kernel((1, 64, 256, 128), 128, dtype) == expected
         assert kernel((2, 64, 256, 128), 256, dtype, output_final_state_only=True,
                       block_size=100) == expected
+        assert kernel((1, 2, 4096, 128), 128, dtype) == expected  # few heads: segments
 
 
 @requires_gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("fso", [False, True])
 @pytest.mark.parametrize("history", [False, True])
-def test_gpu_gluon_prefill_strided_inputs(dtype, fso, history):
+@pytest.mark.parametrize("h,n", [(64, 640), (4, 2048)])  # (4, 2048): a chained scan of 8 segments
+def test_gpu_gluon_prefill_strided_inputs(dtype, fso, history, h, n):
     """The Gluon kernels (bf16 / fp32, D=128, N and block_size multiples of 64)
     on the [B, N, H, D] layout models keep (a transposed view), against the
     float64 recurrence and the Triton kernel, and torch vs JAX bit for bit."""
-    b, h, n, bs = 1, 64, 640, 128
+    b, bs = 1, 128
     q, k, v, ed, kvh = make_prefill(b, h, n, 128, 128, dtype, history=history)
     views = [to_torch(np.ascontiguousarray(x.transpose(0, 2, 1, 3))).transpose(1, 2) for x in (q, k, v)]
     infos = [ArrayInfo(tuple(t.shape), dtype, tuple(t.stride())) for t in views]
@@ -492,6 +494,7 @@ def test_gpu_gluon_prefill_strided_inputs(dtype, fso, history):
     plan = plan_lightning_attention(*infos, ci(ed), hinfo, block_size=bs, output_final_state_only=fso)
     gluon = "_gluon_prefill_kernel" if dtype == "bfloat16" else "_gluon_prefill_tf32_kernel"
     assert plan.launches[0].kernel.fn.__name__ == gluon
+    assert plan.launches[0].constexprs["SEGMENTED"] == (h == 4)
     th = None if kvh is None else to_torch(kvh)
     o, kv = at.lightning_attention(*views, to_torch(ed), bs, th, fso)
     o, kv = torch_to_numpy(o), torch_to_numpy(kv)

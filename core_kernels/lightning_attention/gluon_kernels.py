@@ -1,22 +1,24 @@
-"""Lightning-attention prefill in Gluon (Triton 3.6's explicit-layout dialect), bf16.
+"""Lightning-attention prefill in Gluon (Triton 3.6's explicit-layout dialect), bf16 and fp32.
 
 The Triton kernel (kernels.py) is latency-bound on Hopper: Triton waits for each
 wgmma right after issuing it, so a chunk's four products run back to back with
 one warpgroup per SM (Nsight Compute: the four waits hold 26% of its stall
-samples). Gluon exposes asynchronous wgmma with explicit waits. Per chunk this
-kernel issues q k^T, q S and the state update k^T v_d together, forms the
+samples). Gluon exposes asynchronous wgmma with explicit waits. Per chunk the
+bf16 kernel issues q k^T, q S and the state update k^T v_d together, forms the
 masked scores while the latter two run, then issues P v and waits once:
 
     o   = (q k^T * M) v + (q S0) * lambda^(i+1)       M[i, j] = lambda^(i-j), j <= i
     S1  = lambda^T S0 + k^T (v * lambda^(T-1-j))
 
-The products are the Triton kernel's (bf16 operands, fp32 accumulation, the
-state kept in fp32 registers), so the two agree to rounding. Loads go through a
-STAGES-deep ring of cp.async copies. Scope (the planner checks it and otherwise
-uses kernels.py): bf16, D = 128, E a multiple of the 64-column E-tile, N a
-multiple of the 64-token chunk, block_size a multiple of the chunk (or final
-state only), enough (b, h, E-tile) programs to fill the GPU, GPU only (Gluon
-has no interpreter).
+Its products are the Triton kernel's (bf16 operands, fp32 accumulation, the
+state kept in fp32 registers), so the two agree to rounding. The fp32 kernel
+makes the same products in tf32 (see _gluon_prefill_tf32_kernel). Loads go
+through a STAGES-deep ring of cp.async copies. With few (b, h) pairs the
+sequence is cut into segments chained through memory (_chain), as in
+kernels.py. Scope (the planner checks it and otherwise uses kernels.py): bf16
+or fp32, D = 128, E a multiple of the 64-column E-tile, N a multiple of the
+64-token chunk, block_size a multiple of the chunk (or final state only), GPU
+only (Gluon has no interpreter).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -25,8 +27,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
 
 # ints are compiled without divisibility specialisation, as jax-triton does
 # (see kernels._PREFILL_INTS); strides arrive divided by ALIGN
-_GLUON_INTS = ("num_heads seq_len stride_decay stride_qb stride_qh stride_kb stride_kh "
-               "stride_vb stride_vh stride_hb stride_hh stride_hd").split()
+_GLUON_INTS = ("num_heads num_rows seq_len seg_chunks num_segments stride_decay stride_qb stride_qh "
+               "stride_kb stride_kh stride_vb stride_vh stride_hb stride_hh stride_hd").split()
+_GLUON_RUNTIME = ["num_rows", "seq_len", "seg_chunks", "num_segments"]
+
+
+@gluon.jit
+def _load_kv(k_ring, v_ring, slot, c, base_k, base_v, offs_k, offs_v, T: gl.constexpr,
+             STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr):
+    """Start the cp.async copies of chunk c's k and v tiles into ring slot `slot`."""
+    async_copy.async_copy_global_to_shared(k_ring.index(slot), base_k + c * T * STRIDE_KT + offs_k)
+    async_copy.async_copy_global_to_shared(v_ring.index(slot), base_v + c * T * STRIDE_VT + offs_v)
 
 
 @gluon.jit
@@ -35,26 +46,141 @@ def _load_chunk(q_ring, k_ring, v_ring, slot, c, base_q, base_k, base_v, offs_q,
                 STRIDE_VT: gl.constexpr):
     """Start the cp.async copies of chunk c's q, k, v tiles into ring slot `slot`."""
     async_copy.async_copy_global_to_shared(q_ring.index(slot), base_q + c * T * STRIDE_QT + offs_q)
-    async_copy.async_copy_global_to_shared(k_ring.index(slot), base_k + c * T * STRIDE_KT + offs_k)
-    async_copy.async_copy_global_to_shared(v_ring.index(slot), base_v + c * T * STRIDE_VT + offs_v)
+    _load_kv(k_ring, v_ring, slot, c, base_k, base_v, offs_k, offs_v, T, STRIDE_KT, STRIDE_VT)
 
 
-@gluon.jit(do_not_specialize=["seq_len"], do_not_specialize_on_alignment=_GLUON_INTS)
+@gluon.jit
+def _prologue(q_ring, k_ring, v_ring, c_lo, c_hi, base_q, base_k, base_v, offs_q, offs_k, offs_v,
+              T: gl.constexpr, STAGES: gl.constexpr, STRIDE_QT: gl.constexpr,
+              STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr, WITH_Q: gl.constexpr):
+    """Fill the first STAGES-1 ring slots with chunks c_lo, c_lo+1, ... (one commit
+    group per slot, empty past c_hi, so that wait_group counts stay uniform)."""
+    for i in gl.static_range(STAGES - 1):
+        if c_lo + i < c_hi:
+            if WITH_Q:
+                _load_chunk(q_ring, k_ring, v_ring, i, c_lo + i, base_q, base_k, base_v, offs_q, offs_k,
+                            offs_v, T, STRIDE_QT, STRIDE_KT, STRIDE_VT)
+            else:
+                _load_kv(k_ring, v_ring, i, c_lo + i, base_k, base_v, offs_k, offs_v, T, STRIDE_KT,
+                         STRIDE_VT)
+        async_copy.commit_group()
+
+
+@gluon.jit
+def _program(sync_ptr, num_heads, num_rows, seq_len, seg_chunks, decay_ptr, stride_decay,
+             T: gl.constexpr, N_E: gl.constexpr, SEGMENTED: gl.constexpr):
+    """This program's (segment, b, h, E-tile) and chunk range [c_lo, c_hi)
+    (c_lo is a multiple of the ring depth: ring slot = chunk % STAGES).
+
+    Segmented: programs take tickets from an atomic counter, segment-major, so a
+    program only ever waits for one that started before it (no deadlock,
+    whatever the scheduling); see _chain."""
+    per_seg = num_rows * num_heads * N_E
+    num_chunks = seq_len // T
+    if SEGMENTED:
+        ticket = gl.atomic_add(sync_ptr, 1)  # sync[0]: the ticket counter
+        seg = ticket // per_seg
+        r = ticket % per_seg
+        c_lo = seg * seg_chunks
+        c_hi = gl.minimum(c_lo + seg_chunks, num_chunks)
+    else:
+        ticket = gl.program_id(0)
+        seg = 0
+        r = ticket
+        c_lo = 0
+        c_hi = num_chunks
+    i_bh = r // N_E
+    i_h = (i_bh % num_heads).to(gl.int64)
+    s = gl.load(decay_ptr + i_h * stride_decay)
+    return ticket, per_seg, seg, r % N_E, i_bh, (i_bh // num_heads).to(gl.int64), i_h, s, c_lo, c_hi
+
+
+@gluon.jit
+def _chain(b_s, b_l, s, ticket, per_seg, seg, num_segments, seg_tokens, sync_ptr, pub_ptr, offs_s,
+           D: gl.constexpr, E: gl.constexpr):
+    """The chained scan's hand-over: wait for the previous segment's end state
+    (published with a release flag) and take it as this segment's starting state;
+    publish this segment's end state lambda^len * start + b_l (b_l: its own
+    contribution from a zero state) and raise this program's flag.
+    pub_ptr: this (b, h, E-tile)'s [num_segments, D, E] scratch."""
+    if seg > 0:
+        p_flag = sync_ptr + 1 + ticket - per_seg
+        ready = gl.atomic_add(p_flag, 0, sem="acquire")
+        while ready == 0:
+            ready = gl.atomic_add(p_flag, 0, sem="acquire")
+        b_s = gl.load(pub_ptr + (seg - 1) * D * E + offs_s, cache_modifier=".cg")
+    if seg < num_segments - 1:
+        gl.store(pub_ptr + seg * D * E + offs_s, b_s * gl.exp(-s * seg_tokens) + b_l)
+        gl.thread_barrier()
+        gl.atomic_xchg(sync_ptr + 1 + ticket, 1, sem="release")
+    return b_s
+
+
+@gluon.jit
+def _exp2_ftz(x):
+    """2^x as one MUFU.EX2 (ex2.approx.ftz): results below fp32's normal range are
+    flushed to 0. gl.exp2 / gl.exp compile to the non-ftz form, which ptxas
+    wraps in a range check and two rescaling multiplies (6 instructions)."""
+    return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
+def _segment_sum(k_ring, v_ring, stage_smem, base_k, base_v, offs_k, offs_v, c_lo, c_hi, k_decay,
+                 chunk_decay, T: gl.constexpr, D: gl.constexpr, BE: gl.constexpr, STAGES: gl.constexpr,
+                 STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr, ld_v: gl.constexpr,
+                 a_op: gl.constexpr, mma_te: gl.constexpr, TF32: gl.constexpr):
+    """sum_t lambda^(c_hi*T-1-t) k_t^T v_t over chunks [c_lo, c_hi), from a zero
+    state: a segment's own contribution (k and v only, one product per chunk).
+    bf16: k^T straight from the ring, the decayed v staged in stage_smem; tf32
+    (operands contiguous along the contraction): the decayed k^T in registers
+    (a_op), v^T staged in stage_smem."""
+    _prologue(k_ring, k_ring, v_ring, c_lo, c_hi, base_k, base_k, base_v, offs_k, offs_k, offs_v,
+              T, STAGES, STRIDE_KT, STRIDE_KT, STRIDE_VT, False)
+    b_l = gl.zeros([D, BE], gl.float32, layout=mma_te)
+    for c in range(c_lo, c_hi):
+        if c + STAGES - 1 < c_hi:
+            _load_kv(k_ring, v_ring, (c + STAGES - 1) % STAGES, c + STAGES - 1, base_k, base_v, offs_k,
+                     offs_v, T, STRIDE_KT, STRIDE_VT)
+        async_copy.commit_group()
+        async_copy.wait_group(STAGES - 1)
+        gl.thread_barrier()
+        b_v = v_ring.index(c % STAGES).load(ld_v)
+        if TF32:
+            stage_smem.store(gl.permute(b_v, (1, 0)))
+        else:
+            stage_smem.store((b_v.to(gl.float32) * k_decay[:, None]).to(gl.bfloat16))
+        b_l = b_l * chunk_decay
+        fence_async_shared()
+        gl.thread_barrier()
+        if TF32:
+            kt = k_ring.index(c % STAGES).permute((1, 0)).load(a_op) * k_decay[None, :]
+            b_l = warpgroup_mma(kt, stage_smem.permute((1, 0)), b_l)
+        else:
+            b_l = warpgroup_mma(k_ring.index(c % STAGES).permute((1, 0)), stage_smem, b_l)
+    async_copy.wait_group(0)
+    gl.thread_barrier()
+    return b_l
+
+
+@gluon.jit(do_not_specialize=_GLUON_RUNTIME, do_not_specialize_on_alignment=_GLUON_INTS)
 def _gluon_prefill_kernel(
     q_ptr, k_ptr, v_ptr, decay_ptr, history_ptr,
-    num_heads, seq_len, stride_decay,
+    num_heads, num_rows, seq_len, seg_chunks, num_segments, stride_decay,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
     stride_hb, stride_hh, stride_hd,
-    o_ptr, kv_ptr,
+    o_ptr, kv_ptr, pub_ptr, sync_ptr,
     T: gl.constexpr, D: gl.constexpr, E: gl.constexpr, BE: gl.constexpr, STAGES: gl.constexpr,
-    BLOCK_CHUNKS: gl.constexpr, HAS_HISTORY: gl.constexpr, ALIGN: gl.constexpr,
-    STRIDE_QT: gl.constexpr, STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr,
+    BLOCK_CHUNKS: gl.constexpr, HAS_HISTORY: gl.constexpr, SEGMENTED: gl.constexpr,
+    ALIGN: gl.constexpr, STRIDE_QT: gl.constexpr, STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr,
 ):
-    """One program per (b, h, E-tile), 4 warps (one warpgroup).
+    """One program per (segment, b, h, E-tile), 4 warps (one warpgroup).
 
     BLOCK_CHUNKS > 0: kv is [B, H, NB + 1, D, E] and receives the state before
     every BLOCK_CHUNKS * T tokens plus the final one; 0: kv is the final state
     [B, H, D, E]. o and kv are contiguous; q, k, v, history have strides.
+    SEGMENTED: the sequence is cut into segments of seg_chunks chunks (whole
+    state blocks), chained through pub_ptr / sync_ptr (_chain).
     NOTE: the token strides are constexprs: as runtime values every load offset
     needed its own register across the loop (140 bytes/thread of spills, and a
     112-byte spill made the prototype 2x slower); as constants they fold into
@@ -77,12 +203,8 @@ def _gluon_prefill_kernel(
     sh_v: gl.constexpr = gl.NVMMASharedLayout.get_default_for([T, BE], gl.bfloat16)
     sh_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([D, BE], gl.bfloat16)
 
-    pid = gl.program_id(0)
-    i_e = pid % N_E
-    i_bh = pid // N_E
-    i_b = (i_bh // num_heads).to(gl.int64)
-    i_h = (i_bh % num_heads).to(gl.int64)
-    s = gl.load(decay_ptr + i_h * stride_decay)
+    ticket, per_seg, seg, i_e, i_bh, i_b, i_h, s, c_lo, c_hi = _program(
+        sync_ptr, num_heads, num_rows, seq_len, seg_chunks, decay_ptr, stride_decay, T, N_E, SEGMENTED)
     e0 = i_e * BE
     base_q = q_ptr + (i_b * stride_qb + i_h * stride_qh)
     base_k = k_ptr + (i_b * stride_kb + i_h * stride_kh)
@@ -105,11 +227,6 @@ def _gluon_prefill_kernel(
     offs_k = r_qk[:, None] * STRIDE_KT + c_qk[None, :]
     offs_v = r_v[:, None] * STRIDE_VT + c_v[None, :]
     offs_o = r_v[:, None] * E + c_v[None, :]
-    for c in gl.static_range(STAGES - 1):
-        if c < num_chunks:
-            _load_chunk(q_ring, k_ring, v_ring, c, c, base_q, base_k, base_v, offs_q, offs_k, offs_v,
-                        T, STRIDE_QT, STRIDE_KT, STRIDE_VT)
-        async_copy.commit_group()
 
     # decays: q S0 rows by lambda^(i+1), v rows by lambda^(T-1-j), scores by lambda^(i-j)
     t_te = gl.arange(0, T, layout=gl.SliceLayout(1, mma_te))
@@ -131,23 +248,33 @@ def _gluon_prefill_kernel(
                       + r_s[:, None] * stride_hd + c_s[None, :])
     else:
         b_s = gl.zeros([D, BE], gl.float32, layout=mma_te)
+    if SEGMENTED:
+        b_l = gl.zeros([D, BE], gl.float32, layout=mma_te)
+        if seg < num_segments - 1:
+            b_l = _segment_sum(k_ring, v_ring, vd_smem, base_k, base_v, offs_k, offs_v, c_lo, c_hi, k_decay,
+                               chunk_decay, T, D, BE, STAGES, STRIDE_KT, STRIDE_VT, ld_v, p_op, mma_te,
+                               False)
+        b_s = _chain(b_s, b_l, s, ticket, per_seg, seg, num_segments, ((c_hi - c_lo) * T).to(gl.float32),
+                     sync_ptr, pub_ptr + (i_bh.to(gl.int64) * num_segments * D * E + e0), offs_s, D, E)
     if BLOCK_CHUNKS > 0:
         num_blocks = (num_chunks + BLOCK_CHUNKS - 1) // BLOCK_CHUNKS
         kv_base = kv_ptr + (i_bh.to(gl.int64) * (num_blocks + 1) * D * E + e0)
     else:
         kv_base = kv_ptr + (i_bh.to(gl.int64) * D * E + e0)
+
+    _prologue(q_ring, k_ring, v_ring, c_lo, c_hi, base_q, base_k, base_v, offs_q, offs_k, offs_v,
+              T, STAGES, STRIDE_QT, STRIDE_KT, STRIDE_VT, True)
     zero_tt = gl.zeros([T, T], gl.float32, layout=mma_tt)
     zero_te = gl.zeros([T, BE], gl.float32, layout=mma_te)
-    for c in range(num_chunks):
+    for c in range(c_lo, c_hi):
         if BLOCK_CHUNKS > 0:
             if c % BLOCK_CHUNKS == 0:  # the state before this block
                 gl.store(kv_base + (c // BLOCK_CHUNKS) * D * E + offs_s, b_s)
         # refill the slot chunk c-1 used with chunk c+STAGES-1 (a group is committed
         # every iteration, empty or not, so that the wait_group count stays uniform)
-        nxt = c + STAGES - 1
-        if nxt < num_chunks:
-            _load_chunk(q_ring, k_ring, v_ring, nxt % STAGES, nxt, base_q, base_k, base_v, offs_q,
-                        offs_k, offs_v, T, STRIDE_QT, STRIDE_KT, STRIDE_VT)
+        if c + STAGES - 1 < c_hi:
+            _load_chunk(q_ring, k_ring, v_ring, (c + STAGES - 1) % STAGES, c + STAGES - 1, base_q, base_k,
+                        base_v, offs_q, offs_k, offs_v, T, STRIDE_QT, STRIDE_KT, STRIDE_VT)
         async_copy.commit_group()
         async_copy.wait_group(STAGES - 1)
         gl.thread_barrier()
@@ -175,31 +302,23 @@ def _gluon_prefill_kernel(
         b_o = acc_pv + acc_qs * q_decay[:, None]
         gl.store(base_o + c * T * E + offs_o, gl.convert_layout(b_o.to(gl.bfloat16), ld_v))
     async_copy.wait_group(0)
-    if BLOCK_CHUNKS > 0:
-        gl.store(kv_base + num_blocks * D * E + offs_s, b_s)
-    else:
-        gl.store(kv_base + offs_s, b_s)
+    if seg == num_segments - 1:  # the last segment holds the final state
+        if BLOCK_CHUNKS > 0:
+            gl.store(kv_base + num_blocks * D * E + offs_s, b_s)
+        else:
+            gl.store(kv_base + offs_s, b_s)
 
 
-@gluon.jit
-def _exp2_ftz(x):
-    """2^x as one MUFU.EX2 (ex2.approx.ftz): results below fp32's normal range are
-    flushed to 0. gl.exp2 / gl.exp compile to the non-ftz form, which ptxas
-    wraps in a range check and two rescaling multiplies (6 instructions)."""
-    return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32,
-                                     is_pure=True, pack=1)
-
-
-@gluon.jit(do_not_specialize=["seq_len"], do_not_specialize_on_alignment=_GLUON_INTS)
+@gluon.jit(do_not_specialize=_GLUON_RUNTIME, do_not_specialize_on_alignment=_GLUON_INTS)
 def _gluon_prefill_tf32_kernel(
     q_ptr, k_ptr, v_ptr, decay_ptr, history_ptr,
-    num_heads, seq_len, stride_decay,
+    num_heads, num_rows, seq_len, seg_chunks, num_segments, stride_decay,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
     stride_hb, stride_hh, stride_hd,
-    o_ptr, kv_ptr,
+    o_ptr, kv_ptr, pub_ptr, sync_ptr,
     T: gl.constexpr, D: gl.constexpr, E: gl.constexpr, BE: gl.constexpr, STAGES: gl.constexpr,
-    BLOCK_CHUNKS: gl.constexpr, HAS_HISTORY: gl.constexpr, ALIGN: gl.constexpr,
-    STRIDE_QT: gl.constexpr, STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr,
+    BLOCK_CHUNKS: gl.constexpr, HAS_HISTORY: gl.constexpr, SEGMENTED: gl.constexpr,
+    ALIGN: gl.constexpr, STRIDE_QT: gl.constexpr, STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr,
     OVERLAP: gl.constexpr, P_SMEM: gl.constexpr,
 ):
     """_gluon_prefill_kernel for fp32 inputs: every product in tf32 (fp32 accumulation).
@@ -232,12 +351,8 @@ def _gluon_prefill_tf32_kernel(
     sh_st: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BE, D], gl.float32)
     sh_vt: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BE, T], gl.float32)
 
-    pid = gl.program_id(0)
-    i_e = pid % N_E
-    i_bh = pid // N_E
-    i_b = (i_bh // num_heads).to(gl.int64)
-    i_h = (i_bh % num_heads).to(gl.int64)
-    s = gl.load(decay_ptr + i_h * stride_decay)
+    ticket, per_seg, seg, i_e, i_bh, i_b, i_h, s, c_lo, c_hi = _program(
+        sync_ptr, num_heads, num_rows, seq_len, seg_chunks, decay_ptr, stride_decay, T, N_E, SEGMENTED)
     e0 = i_e * BE
     base_q = q_ptr + (i_b * stride_qb + i_h * stride_qh)
     base_k = k_ptr + (i_b * stride_kb + i_h * stride_kh)
@@ -261,11 +376,6 @@ def _gluon_prefill_tf32_kernel(
     offs_q = r_qk[:, None] * STRIDE_QT + c_qk[None, :]
     offs_k = r_qk[:, None] * STRIDE_KT + c_qk[None, :]
     offs_v = r_v[:, None] * STRIDE_VT + c_v[None, :]
-    for c in gl.static_range(STAGES - 1):
-        if c < num_chunks:
-            _load_chunk(q_ring, k_ring, v_ring, c, c, base_q, base_k, base_v, offs_q, offs_k, offs_v,
-                        T, STRIDE_QT, STRIDE_KT, STRIDE_VT)
-        async_copy.commit_group()
 
     t_te = gl.arange(0, T, layout=gl.SliceLayout(1, mma_te))
     q_decay = gl.exp(-s * (t_te + 1).to(gl.float32))
@@ -283,14 +393,25 @@ def _gluon_prefill_tf32_kernel(
                       + r_s[:, None] * stride_hd + c_s[None, :])
     else:
         b_s = gl.zeros([D, BE], gl.float32, layout=mma_te)
+    if SEGMENTED:
+        b_l = gl.zeros([D, BE], gl.float32, layout=mma_te)
+        if seg < num_segments - 1:
+            b_l = _segment_sum(k_ring, v_ring, vt_buf.index(0), base_k, base_v, offs_k, offs_v, c_lo, c_hi,
+                               _exp2_ftz((T - 1 - t_a).to(gl.float32) * s_log2), chunk_decay, T, D, BE,
+                               STAGES, STRIDE_KT, STRIDE_VT, ld_vt, a_op, mma_te, True)
+        b_s = _chain(b_s, b_l, s, ticket, per_seg, seg, num_segments, ((c_hi - c_lo) * T).to(gl.float32),
+                     sync_ptr, pub_ptr + (i_bh.to(gl.int64) * num_segments * D * E + e0), offs_s, D, E)
     if BLOCK_CHUNKS > 0:
         num_blocks = (num_chunks + BLOCK_CHUNKS - 1) // BLOCK_CHUNKS
         kv_base = kv_ptr + (i_bh.to(gl.int64) * (num_blocks + 1) * D * E + e0)
     else:
         kv_base = kv_ptr + (i_bh.to(gl.int64) * D * E + e0)
+
+    _prologue(q_ring, k_ring, v_ring, c_lo, c_hi, base_q, base_k, base_v, offs_q, offs_k, offs_v,
+              T, STAGES, STRIDE_QT, STRIDE_KT, STRIDE_VT, True)
     zero_tt = gl.zeros([T, T], gl.float32, layout=mma_tt)
     zero_te = gl.zeros([T, BE], gl.float32, layout=mma_te)
-    for c in range(num_chunks):
+    for c in range(c_lo, c_hi):
         if BLOCK_CHUNKS > 0:
             if c % BLOCK_CHUNKS == 0:
                 gl.store(kv_base + (r_s + (c // BLOCK_CHUNKS) * D)[:, None] * E + c_s[None, :], b_s)
@@ -298,10 +419,9 @@ def _gluon_prefill_tf32_kernel(
         # chunk c-1 used is free for chunk c+STAGES-1
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()
-        nxt = c + STAGES - 1
-        if nxt < num_chunks:
-            _load_chunk(q_ring, k_ring, v_ring, nxt % STAGES, nxt, base_q, base_k, base_v, offs_q,
-                        offs_k, offs_v, T, STRIDE_QT, STRIDE_KT, STRIDE_VT)
+        if c + STAGES - 1 < c_hi:
+            _load_chunk(q_ring, k_ring, v_ring, (c + STAGES - 1) % STAGES, c + STAGES - 1, base_q, base_k,
+                        base_v, offs_q, offs_k, offs_v, T, STRIDE_QT, STRIDE_KT, STRIDE_VT)
         async_copy.commit_group()
         slot = c % STAGES
         # NOTE: `zero` is 0 through an opaque copy. Values derived from it are
@@ -352,7 +472,8 @@ def _gluon_prefill_tf32_kernel(
             b_s = acc_s
         gl.store(base_o + (t_te + c * T)[:, None] * E + c_s[None, :], acc_o)
     async_copy.wait_group(0)
-    if BLOCK_CHUNKS > 0:
-        gl.store(kv_base + num_blocks * D * E + offs_s, b_s)
-    else:
-        gl.store(kv_base + offs_s, b_s)
+    if seg == num_segments - 1:  # the last segment holds the final state
+        if BLOCK_CHUNKS > 0:
+            gl.store(kv_base + num_blocks * D * E + offs_s, b_s)
+        else:
+            gl.store(kv_base + offs_s, b_s)

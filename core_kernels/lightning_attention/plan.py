@@ -144,15 +144,15 @@ def plan_lightning_attention(
     results = ("output", "kv")
     if b == 0 or h == 0:
         return Plan(buffers, (), results)
-    overrides = (block_t, block_e, num_segments, num_warps, num_stages)
+    overrides = (block_t, block_e, num_warps, num_stages)
     gluon_ok = _gluon_applies(q, k, v, kv_history, block_size, output_final_state_only, dot_precision)
     if use_gluon and not gluon_ok:
         raise ValueError("use_gluon=True: the Gluon kernel does not apply to these arguments "
                          "(bf16 or fp32 with tf32 products, D=128, E and N multiples of 64, "
-                         "enough heads, a GPU)")
+                         "a GPU)")
     if gluon_ok and (use_gluon or (use_gluon is None and all(x is None for x in overrides))):
-        return _gluon_plan(q, k, v, ed, kv_history, block_size, output_final_state_only, buffers,
-                           results)
+        return _gluon_plan(q, k, v, ed, kv_history, block_size, output_final_state_only, num_segments,
+                           buffers, results)
 
     block_d = max(16, next_pow2(d))
     if (block_e is None and q.dtype == "bfloat16" and d == block_d <= 128 and e % 64 == 0
@@ -258,6 +258,8 @@ GLUON_BE = 64
 # load ring depth: 4 x 40 KB of bf16 chunks; fp32 chunks are 80 KB and, with
 # the transposed copies of the state and v, only 2 fit in shared memory
 GLUON_STAGES = {"bfloat16": 4, "float32": 2}
+# one program per SM (shared memory): segments for about one wave of programs
+GLUON_SEGMENT_TARGET = 128
 # fp32 kernel (_gluon_prefill_tf32_kernel): wait for the state update before
 # forming P (OVERLAP False) or form P while it runs; hand P to its MMA in
 # registers or through shared memory (P_SMEM). H200, B=1, H=64, N=4096, per-block
@@ -277,8 +279,6 @@ def _gluon_applies(q, k, v, kv_history, block_size, output_final_state_only,
         return False
     if not output_final_state_only and block_size % GLUON_T:
         return False
-    if b * h * (e // GLUON_BE) < MIN_PROGRAMS:  # few heads: the chained scan of kernels.py
-        return False
     elems = 16 // (4 if q.dtype == "float32" else 2)
     if _align(q.strides[2], k.strides[2], v.strides[2]) < elems:  # 16-byte copies of token rows
         return False
@@ -287,10 +287,30 @@ def _gluon_applies(q, k, v, kv_history, block_size, output_final_state_only,
     return _token_offsets_fit_int32(q, k, v) and states * d * e < 2 ** 31
 
 
-def _gluon_plan(q, k, v, ed, kv_history, block_size, output_final_state_only, buffers, results):
+def _gluon_plan(q, k, v, ed, kv_history, block_size, output_final_state_only, num_segments,
+                buffers, results):
     from .gluon_kernels import _gluon_prefill_kernel, _gluon_prefill_tf32_kernel
     b, h, n, d = q.shape
     e = v.shape[3]
+    programs = b * h * (e // GLUON_BE)
+    num_chunks = n // GLUON_T
+    block_chunks = 0 if output_final_state_only else block_size // GLUON_T
+    # segments are whole state blocks (single chunks when only the final state is
+    # kept) and start on a ring slot 0 (the kernels take chunk % STAGES as the slot)
+    unit = int(np.lcm(block_chunks or 1, GLUON_STAGES[q.dtype]))
+    num_units = cdiv(num_chunks, unit)
+    if num_segments is None:
+        num_segments = 1
+        if programs < MIN_PROGRAMS:
+            num_segments = min(cdiv(GLUON_SEGMENT_TARGET, programs),
+                               max(1, num_chunks // MIN_SEGMENT_CHUNKS), num_units)
+    seg_chunks = cdiv(num_units, max(1, min(int(num_segments), num_units))) * unit
+    num_segments = cdiv(num_chunks, seg_chunks)
+    segmented = num_segments > 1
+    buffers["seg_state"] = Buffer((b, h, num_segments, d, e) if segmented else (1,), "float32")
+    # ticket counter, then one ready flag per program
+    buffers["sync"] = Buffer((1 + num_segments * programs,) if segmented else (1,), "int32",
+                             zero_init=segmented)
     has_hist = kv_history is not None
     hist = "kv_history" if has_hist else "ed"  # dummy pointer when absent
     hist_strides = kv_history.strides[:3] if has_hist else (0, 0, 0)
@@ -298,13 +318,12 @@ def _gluon_plan(q, k, v, ed, kv_history, block_size, output_final_state_only, bu
     align = _align(*strides)
     fp32 = q.dtype == "float32"
     launch = Launch(
-        _gluon_prefill_tf32_kernel if fp32 else _gluon_prefill_kernel, (b * h * (e // GLUON_BE),),
-        ("q", "k", "v", "ed", hist, Scalar(h), Scalar(n), Scalar(ed.strides[0]),
-         *(Scalar(x // align) for x in strides)),
-        ("output", "kv"),
-        dict(T=GLUON_T, D=d, E=e, BE=GLUON_BE, STAGES=GLUON_STAGES[q.dtype],
-             BLOCK_CHUNKS=0 if output_final_state_only else block_size // GLUON_T,
-             HAS_HISTORY=has_hist, ALIGN=align,
+        _gluon_prefill_tf32_kernel if fp32 else _gluon_prefill_kernel, (num_segments * programs,),
+        ("q", "k", "v", "ed", hist, Scalar(h), Scalar(b), Scalar(n), Scalar(seg_chunks),
+         Scalar(num_segments), Scalar(ed.strides[0]), *(Scalar(x // align) for x in strides)),
+        ("output", "kv", "seg_state", "sync"),
+        dict(T=GLUON_T, D=d, E=e, BE=GLUON_BE, STAGES=GLUON_STAGES[q.dtype], BLOCK_CHUNKS=block_chunks,
+             HAS_HISTORY=has_hist, SEGMENTED=segmented, ALIGN=align,
              STRIDE_QT=q.strides[2], STRIDE_KT=k.strides[2], STRIDE_VT=v.strides[2],
              **(GLUON_TF32 if fp32 else {})),
         num_warps=4, num_stages=1)

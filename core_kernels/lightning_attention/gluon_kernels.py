@@ -68,13 +68,17 @@ def _prologue(q_ring, k_ring, v_ring, c_lo, c_hi, base_q, base_k, base_v, offs_q
 
 @gluon.jit
 def _program(sync_ptr, num_heads, num_rows, seq_len, seg_chunks, decay_ptr, stride_decay,
-             T: gl.constexpr, N_E: gl.constexpr, SEGMENTED: gl.constexpr):
-    """This program's (segment, b, h, E-tile) and chunk range [c_lo, c_hi)
-    (c_lo is a multiple of the ring depth: ring slot = chunk % STAGES).
+             q_ptr, k_ptr, v_ptr, o_ptr, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb,
+             stride_vh, T: gl.constexpr, E: gl.constexpr, BE: gl.constexpr, ALIGN: gl.constexpr,
+             SEGMENTED: gl.constexpr):
+    """This program's (segment, b, h, E-tile), chunk range [c_lo, c_hi) (c_lo is a
+    multiple of the ring depth: ring slot = chunk % STAGES), decay rate and the
+    q, k, v, o bases of its (b, h, E-tile) (strides arrive divided by ALIGN).
 
     Segmented: programs take tickets from an atomic counter, segment-major, so a
     program only ever waits for one that started before it (no deadlock,
     whatever the scheduling); see _chain."""
+    N_E: gl.constexpr = E // BE
     per_seg = num_rows * num_heads * N_E
     num_chunks = seq_len // T
     if SEGMENTED:
@@ -90,9 +94,35 @@ def _program(sync_ptr, num_heads, num_rows, seq_len, seg_chunks, decay_ptr, stri
         c_lo = 0
         c_hi = num_chunks
     i_bh = r // N_E
+    i_b = (i_bh // num_heads).to(gl.int64)
     i_h = (i_bh % num_heads).to(gl.int64)
     s = gl.load(decay_ptr + i_h * stride_decay)
-    return ticket, per_seg, seg, r % N_E, i_bh, (i_bh // num_heads).to(gl.int64), i_h, s, c_lo, c_hi
+    e0 = (r % N_E) * BE
+    base_q = q_ptr + (i_b * (stride_qb * ALIGN) + i_h * (stride_qh * ALIGN))
+    base_k = k_ptr + (i_b * (stride_kb * ALIGN) + i_h * (stride_kh * ALIGN))
+    base_v = v_ptr + (i_b * (stride_vb * ALIGN) + i_h * (stride_vh * ALIGN) + e0)
+    base_o = o_ptr + (i_bh.to(gl.int64) * seq_len * E + e0)
+    return (ticket, per_seg, seg, i_bh, i_b, i_h, e0, s, c_lo, c_hi, num_chunks, base_q, base_k, base_v,
+            base_o)
+
+
+@gluon.jit
+def _start_state(history_ptr, kv_ptr, i_b, i_h, i_bh, e0, num_chunks, stride_hb, stride_hh, stride_hd,
+                 r_s, c_s, D: gl.constexpr, E: gl.constexpr, BE: gl.constexpr, ALIGN: gl.constexpr,
+                 BLOCK_CHUNKS: gl.constexpr, HAS_HISTORY: gl.constexpr, mma_te: gl.constexpr):
+    """The sequence's starting state (kv_history or 0) in the MMA layout, and this
+    (b, h, E-tile)'s base in kv ([B, H, NB + 1, D, E] or [B, H, D, E])."""
+    if HAS_HISTORY:
+        b_s = gl.load(history_ptr + (i_b * (stride_hb * ALIGN) + i_h * (stride_hh * ALIGN) + e0)
+                      + r_s[:, None] * (stride_hd * ALIGN) + c_s[None, :])
+    else:
+        b_s = gl.zeros([D, BE], gl.float32, layout=mma_te)
+    if BLOCK_CHUNKS > 0:
+        num_blocks = (num_chunks + BLOCK_CHUNKS - 1) // BLOCK_CHUNKS
+        kv_base = kv_ptr + (i_bh.to(gl.int64) * (num_blocks + 1) * D * E + e0)
+    else:
+        kv_base = kv_ptr + (i_bh.to(gl.int64) * D * E + e0)
+    return b_s, kv_base
 
 
 @gluon.jit
@@ -186,11 +216,6 @@ def _gluon_prefill_kernel(
     112-byte spill made the prototype 2x slower); as constants they fold into
     the address immediates.
     """
-    stride_qb, stride_qh, stride_kb, stride_kh = (stride_qb * ALIGN, stride_qh * ALIGN,
-                                                  stride_kb * ALIGN, stride_kh * ALIGN)
-    stride_vb, stride_vh = stride_vb * ALIGN, stride_vh * ALIGN
-    stride_hb, stride_hh, stride_hd = stride_hb * ALIGN, stride_hh * ALIGN, stride_hd * ALIGN
-    N_E: gl.constexpr = E // BE
     # register layouts (4 warps)
     ld_qk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])   # [T, D] bf16
     ld_v: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])     # [T, BE] bf16
@@ -203,14 +228,10 @@ def _gluon_prefill_kernel(
     sh_v: gl.constexpr = gl.NVMMASharedLayout.get_default_for([T, BE], gl.bfloat16)
     sh_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([D, BE], gl.bfloat16)
 
-    ticket, per_seg, seg, i_e, i_bh, i_b, i_h, s, c_lo, c_hi = _program(
-        sync_ptr, num_heads, num_rows, seq_len, seg_chunks, decay_ptr, stride_decay, T, N_E, SEGMENTED)
-    e0 = i_e * BE
-    base_q = q_ptr + (i_b * stride_qb + i_h * stride_qh)
-    base_k = k_ptr + (i_b * stride_kb + i_h * stride_kh)
-    base_v = v_ptr + (i_b * stride_vb + i_h * stride_vh + e0)
-    base_o = o_ptr + (i_bh.to(gl.int64) * seq_len * E + e0)
-    num_chunks = seq_len // T
+    (ticket, per_seg, seg, i_bh, i_b, i_h, e0, s, c_lo, c_hi, num_chunks, base_q, base_k, base_v,
+     base_o) = _program(sync_ptr, num_heads, num_rows, seq_len, seg_chunks, decay_ptr, stride_decay,
+                        q_ptr, k_ptr, v_ptr, o_ptr, stride_qb, stride_qh, stride_kb, stride_kh,
+                        stride_vb, stride_vh, T, E, BE, ALIGN, SEGMENTED)
 
     q_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, T, D], sh_qk)
     k_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, T, D], sh_qk)
@@ -243,11 +264,9 @@ def _gluon_prefill_kernel(
     r_s = gl.arange(0, D, layout=gl.SliceLayout(1, mma_te))
     c_s = gl.arange(0, BE, layout=gl.SliceLayout(0, mma_te))
     offs_s = r_s[:, None] * E + c_s[None, :]
-    if HAS_HISTORY:
-        b_s = gl.load(history_ptr + (i_b * stride_hb + i_h * stride_hh + e0)
-                      + r_s[:, None] * stride_hd + c_s[None, :])
-    else:
-        b_s = gl.zeros([D, BE], gl.float32, layout=mma_te)
+    b_s, kv_base = _start_state(history_ptr, kv_ptr, i_b, i_h, i_bh, e0, num_chunks, stride_hb,
+                                stride_hh, stride_hd, r_s, c_s, D, E, BE, ALIGN, BLOCK_CHUNKS,
+                                HAS_HISTORY, mma_te)
     if SEGMENTED:
         b_l = gl.zeros([D, BE], gl.float32, layout=mma_te)
         if seg < num_segments - 1:
@@ -256,11 +275,6 @@ def _gluon_prefill_kernel(
                                False)
         b_s = _chain(b_s, b_l, s, ticket, per_seg, seg, num_segments, ((c_hi - c_lo) * T).to(gl.float32),
                      sync_ptr, pub_ptr + (i_bh.to(gl.int64) * num_segments * D * E + e0), offs_s, D, E)
-    if BLOCK_CHUNKS > 0:
-        num_blocks = (num_chunks + BLOCK_CHUNKS - 1) // BLOCK_CHUNKS
-        kv_base = kv_ptr + (i_bh.to(gl.int64) * (num_blocks + 1) * D * E + e0)
-    else:
-        kv_base = kv_ptr + (i_bh.to(gl.int64) * D * E + e0)
 
     _prologue(q_ring, k_ring, v_ring, c_lo, c_hi, base_q, base_k, base_v, offs_q, offs_k, offs_v,
               T, STAGES, STRIDE_QT, STRIDE_KT, STRIDE_VT, True)
@@ -304,7 +318,7 @@ def _gluon_prefill_kernel(
     async_copy.wait_group(0)
     if seg == num_segments - 1:  # the last segment holds the final state
         if BLOCK_CHUNKS > 0:
-            gl.store(kv_base + num_blocks * D * E + offs_s, b_s)
+            gl.store(kv_base + (num_chunks + BLOCK_CHUNKS - 1) // BLOCK_CHUNKS * D * E + offs_s, b_s)
         else:
             gl.store(kv_base + offs_s, b_s)
 
@@ -332,11 +346,6 @@ def _gluon_prefill_tf32_kernel(
         k^T v_d A = (k * lambda^(T-1-j))^T, loaded transposed into registers;
                 B = v^T (the decay is put on k, so both products share v^T)
     """
-    stride_qb, stride_qh, stride_kb, stride_kh = (stride_qb * ALIGN, stride_qh * ALIGN,
-                                                  stride_kb * ALIGN, stride_kh * ALIGN)
-    stride_vb, stride_vh = stride_vb * ALIGN, stride_vh * ALIGN
-    stride_hb, stride_hh, stride_hd = stride_hb * ALIGN, stride_hh * ALIGN, stride_hd * ALIGN
-    N_E: gl.constexpr = E // BE
     ld_qk: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])   # [T, D] fp32 copies
     ld_v: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])    # [T, BE] fp32 copies
     # v read back 4 tokens per thread, so that v^T is stored in 16-byte pieces
@@ -351,14 +360,10 @@ def _gluon_prefill_tf32_kernel(
     sh_st: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BE, D], gl.float32)
     sh_vt: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BE, T], gl.float32)
 
-    ticket, per_seg, seg, i_e, i_bh, i_b, i_h, s, c_lo, c_hi = _program(
-        sync_ptr, num_heads, num_rows, seq_len, seg_chunks, decay_ptr, stride_decay, T, N_E, SEGMENTED)
-    e0 = i_e * BE
-    base_q = q_ptr + (i_b * stride_qb + i_h * stride_qh)
-    base_k = k_ptr + (i_b * stride_kb + i_h * stride_kh)
-    base_v = v_ptr + (i_b * stride_vb + i_h * stride_vh + e0)
-    base_o = o_ptr + (i_bh.to(gl.int64) * seq_len * E + e0)
-    num_chunks = seq_len // T
+    (ticket, per_seg, seg, i_bh, i_b, i_h, e0, s, c_lo, c_hi, num_chunks, base_q, base_k, base_v,
+     base_o) = _program(sync_ptr, num_heads, num_rows, seq_len, seg_chunks, decay_ptr, stride_decay,
+                        q_ptr, k_ptr, v_ptr, o_ptr, stride_qb, stride_qh, stride_kb, stride_kh,
+                        stride_vb, stride_vh, T, E, BE, ALIGN, SEGMENTED)
 
     q_ring = gl.allocate_shared_memory(gl.float32, [STAGES, T, D], sh_qk)
     k_ring = gl.allocate_shared_memory(gl.float32, [STAGES, T, D], sh_qk)
@@ -388,11 +393,9 @@ def _gluon_prefill_tf32_kernel(
     r_s = gl.arange(0, D, layout=gl.SliceLayout(1, mma_te))
     c_s = gl.arange(0, BE, layout=gl.SliceLayout(0, mma_te))
     offs_s = r_s[:, None] * E + c_s[None, :]
-    if HAS_HISTORY:
-        b_s = gl.load(history_ptr + (i_b * stride_hb + i_h * stride_hh + e0)
-                      + r_s[:, None] * stride_hd + c_s[None, :])
-    else:
-        b_s = gl.zeros([D, BE], gl.float32, layout=mma_te)
+    b_s, kv_base = _start_state(history_ptr, kv_ptr, i_b, i_h, i_bh, e0, num_chunks, stride_hb,
+                                stride_hh, stride_hd, r_s, c_s, D, E, BE, ALIGN, BLOCK_CHUNKS,
+                                HAS_HISTORY, mma_te)
     if SEGMENTED:
         b_l = gl.zeros([D, BE], gl.float32, layout=mma_te)
         if seg < num_segments - 1:
@@ -401,11 +404,6 @@ def _gluon_prefill_tf32_kernel(
                                STAGES, STRIDE_KT, STRIDE_VT, ld_vt, a_op, mma_te, True)
         b_s = _chain(b_s, b_l, s, ticket, per_seg, seg, num_segments, ((c_hi - c_lo) * T).to(gl.float32),
                      sync_ptr, pub_ptr + (i_bh.to(gl.int64) * num_segments * D * E + e0), offs_s, D, E)
-    if BLOCK_CHUNKS > 0:
-        num_blocks = (num_chunks + BLOCK_CHUNKS - 1) // BLOCK_CHUNKS
-        kv_base = kv_ptr + (i_bh.to(gl.int64) * (num_blocks + 1) * D * E + e0)
-    else:
-        kv_base = kv_ptr + (i_bh.to(gl.int64) * D * E + e0)
 
     _prologue(q_ring, k_ring, v_ring, c_lo, c_hi, base_q, base_k, base_v, offs_q, offs_k, offs_v,
               T, STAGES, STRIDE_QT, STRIDE_KT, STRIDE_VT, True)
@@ -474,6 +472,6 @@ def _gluon_prefill_tf32_kernel(
     async_copy.wait_group(0)
     if seg == num_segments - 1:  # the last segment holds the final state
         if BLOCK_CHUNKS > 0:
-            gl.store(kv_base + num_blocks * D * E + offs_s, b_s)
+            gl.store(kv_base + (num_chunks + BLOCK_CHUNKS - 1) // BLOCK_CHUNKS * D * E + offs_s, b_s)
         else:
             gl.store(kv_base + offs_s, b_s)

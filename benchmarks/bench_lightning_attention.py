@@ -5,7 +5,8 @@ Prefill floor: read q, k, v and write o once, plus the returned states
 ((NB + 1) or 1 per head, fp32). Decode: 2·B·H·D·E·4 bytes of state (read +
 write), the q/k/v/o vectors are noise. `x_floor` = time / (floor bytes / copy
 bandwidth). torch times are CUDA-event medians with L2 flushed; jax/torch
-compares pipelined dispatch of both (see timing.py).
+compares pipelined dispatch of both (see timing.py). Decode rows also carry
+`graph_us` / `graph_TB/s`: steps replayed back to back from one CUDA graph.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from benchmarks import timing
 from benchmarks.registry import LIGHTNING_DECODE, LIGHTNING_PREFILL
 
 COLUMNS = ["name", "us", "TB/s", "%copy", "x_floor", "jax_us", "torch_pipe_us", "jax/torch",
-           "bitwise", "baseline", "baseline_us", "vs_baseline"]
+           "bitwise", "graph_us", "graph_TB/s", "baseline", "baseline_us", "vs_baseline"]
 MODEL_KERNEL_US = {"prefill-B1-H64-N4096-float32": 1090.0, "decode-B64-bfloat16": 169.0}
 
 
@@ -231,7 +232,14 @@ def decode_cases(copy_bw):
             o_t = at.linear_decode_forward_triton(q, k, v, c_t, slope, slots)
             o_j, c_j = jax.jit(aj.linear_decode_forward_triton)(jq, jk, jv, jax.dlpack.from_dlpack(cache.clone()),
                                                                 jslope, jslots)
-            rows.append(_ours_row(name, t, nbytes, copy_bw, t_pipe, t_jax, ((o_t, o_j), (c_t, c_j))))
+            row = _ours_row(name, t, nbytes, copy_bw, t_pipe, t_jax, ((o_t, o_j), (c_t, c_j)))
+            # back to back in one CUDA graph (how serving engines replay decode steps):
+            # no launch gaps; 4 caches in rotation
+            gsets = [(q, k, v, cache, slope, slots)] + [_decode_inputs(b, h, d, dtype, b) for _ in range(3)]
+            t_g = timing.graph_time_torch(lambda i: at.linear_decode_forward_triton(*gsets[i]), len(gsets))
+            row.update(graph_us=t_g * 1e6, **{"graph_TB/s": nbytes / t_g / 1e12})
+            rows.append(row)
+            gsets = None
             if case.get("baselines"):
                 comp = torch.compile(_torch_decode_math, dynamic=False)
                 t_c = timing.kernel_time_torch(lambda: comp(q, k, v, cache, slope, slots))

@@ -3,7 +3,10 @@
 Variants of the decode step S = lambda S + k^T v, o = q S against the
 production kernel: one cache pointer for the load and the store (the cache is
 updated in place, so the second pointer only costs registers), a register cap
-(more programs per SM, more bytes in flight), and the grid order.
+(more programs per SM, more bytes in flight), and the grid order; plus the
+roofline of the access itself: the cache scaled in place by a flat kernel
+(no slots, no q/k/v), next to a copy, all timed the same way (CUDA graph,
+rotating input sets) and by the benchmark's per-call timer. EXP_DECODE_SWEEP=0 skips the variant sweep.
 
     python3 -m benchmarks.experiments.exp_lightning_decode   (GPU only)
 """
@@ -46,6 +49,13 @@ def _exp_decode(q_ptr, k_ptr, v_ptr, cache_ptr, decay_ptr, slot_ptr, out_ptr, H,
     tl.store(out_ptr + i_bh * E + o_e, b_o.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _exp_rmw(cache_ptr, a, BLOCK: tl.constexpr):
+    """The decode's memory traffic alone: cache = a * cache + 1, in place."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(cache_ptr + offs, tl.load(cache_ptr + offs) * a + 1.0)
+
+
 def main():
     import torch
     from benchmarks import timing
@@ -72,6 +82,24 @@ def main():
         print(rows[-1], flush=True)
 
     record("production", lambda i: linear_decode_forward_triton(*ins[i]))
+    copies = [(torch.empty(B * H * D * D, device="cuda"), torch.empty(B * H * D * D, device="cuda"))
+              for _ in range(sets)]
+    record("copy-same-bytes", lambda i: copies[i][1].copy_(copies[i][0]))
+    for block, w in ((8192, 4), (4096, 4), (8192, 8), (16384, 8)):
+        record(f"rmw-flat-{block}-w{w}", lambda i, block=block, w=w: _exp_rmw[(B * H * D * D // block,)](
+            ins[i][3], 0.5, BLOCK=block, num_warps=w))
+    record("production-again", lambda i: linear_decode_forward_triton(*ins[i]))
+    # the benchmark's per-call timer (triton do_bench: L2 flushed by a memset before each call)
+    for name, fn in (("production", lambda: linear_decode_forward_triton(*ins[0])),
+                     ("rmw-flat-8192-w8", lambda: _exp_rmw[(B * H * D * D // 8192,)](
+                         ins[0][3], 0.5, BLOCK=8192, num_warps=8))):
+        t = timing.kernel_time_torch(fn)
+        rows.append(dict(name=f"{name}-do_bench", us=t * 1e6, **{"TB/s": nbytes / t / 1e12}))
+        print(rows[-1], flush=True)
+    if os.environ.get("EXP_DECODE_SWEEP", "1") == "0":
+        with open(os.path.join(os.environ.get("OUT", "."), "exp_lightning_decode_roofline.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        return
     # correctness of the experimental kernel against production on one set
     q, k, v, cache, slope, slots = ins[0]
     c1, c2 = cache.clone(), cache.clone()

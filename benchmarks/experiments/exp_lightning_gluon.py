@@ -6,8 +6,9 @@ measurements are in results/experiments/exp_lightning_gluon_first.json (ring
 depth 2-4, E-tile 32/64) and exp_lightning_gluon.json (with per-block states).
 This script times the production kernels through the planner (use_gluon=True /
 False) with the L2 flushed, plus constexpr variants of the Gluon launch
-(EXP_VARIANTS, a JSON list of dicts, e.g. '[{"OVERLAP": true}]'), and checks
-that every variant agrees with the Triton kernel.
+(EXP_VARIANTS, a JSON list of dicts, e.g. '[{"OVERLAP": true}]') and segment
+counts (EXP_SEGMENTS, e.g. 8,32,128: the chained scan with that many segments
+per (b, h, E-tile)), and checks that every variant agrees with the Triton kernel.
 
     EXP_DTYPES=float32,bfloat16 EXP_SHAPES=1x64x4096,4x64x1024 \\
         python3 -m benchmarks.experiments.exp_lightning_gluon   (GPU only)
@@ -37,6 +38,7 @@ def main():
     shapes = [tuple(int(x) for x in s.split("x"))
               for s in os.environ.get("EXP_SHAPES", "1x64x4096").split(",")]
     variants = json.loads(os.environ.get("EXP_VARIANTS", "[]"))
+    segments = [int(x) for x in os.environ.get("EXP_SEGMENTS", "").split(",") if x]
     copy_bw = timing.copy_bandwidth()
     rows = []
 
@@ -54,6 +56,10 @@ def main():
                     plans["gluon" if use_gluon else "triton"] = plan_lightning_attention(
                         info(q), info(k), info(v), info(ed), None, block_size=256,
                         output_final_state_only=fso, use_gluon=use_gluon)
+                for nseg in segments:
+                    plans[f"gluon-seg{nseg}"] = plan_lightning_attention(
+                        info(q), info(k), info(v), info(ed), None, block_size=256,
+                        output_final_state_only=fso, use_gluon=True, num_segments=nseg)
                 for i, var in enumerate(variants):
                     plans[f"gluon-{json.dumps(var, separators=(',', ':'))}"] = _with_constexprs(
                         plans["gluon"], **var)
@@ -65,6 +71,11 @@ def main():
                         t = timing.kernel_time_torch(lambda: run_plan(plan, tensors))
                         row.update(us=t * 1e6, x_floor=t / (nbytes / copy_bw),
                                    tb_s=nbytes / t / 1e12)
+                        if name == "gluon":
+                            gluon_out = out
+                        elif name.startswith("gluon-"):
+                            row.update(equal_to_gluon=bool(torch.equal(out["output"], gluon_out["output"])
+                                                           and torch.equal(out["kv"], gluon_out["kv"])))
                         if ref is None:
                             ref = out
                         else:

@@ -256,9 +256,15 @@ def plan_lightning_attention(
 GLUON_T = 64
 GLUON_BE = 64
 # load ring depth: 4 x 40 KB of bf16 chunks; fp32 chunks are 80 KB and, with
-# the transposed copies of the state and v, only 2 fit in shared memory
+# the transposed copies of the state and v, only 2 fit in shared memory.
+# Pulling 1-3 further chunks into L2 (prefetch.global.L2) was 4-10% slower for
+# both dtypes on the H200 (results/experiments/exp_lightning_gluon_prefetch.json).
 GLUON_STAGES = {"bfloat16": 4, "float32": 2}
-# one program per SM (shared memory): segments for about one wave of programs
+# one program per SM (shared memory): segments for about one wave of programs.
+# More, shorter segments (waves whose k, v re-reads could hit L2) are slower:
+# H200 B1 H8 N65536 bf16 with states, 8/16/32/64/128 segments per (b, h, E-tile):
+# 283/295/311/333/361 us; fp32 632/639/692/706/726 us (the hand-over chain grows;
+# results/experiments/exp_lightning_gluon_segment_sweep.json).
 GLUON_SEGMENT_TARGET = 128
 # fp32 kernel (_gluon_prefill_tf32_kernel): wait for the state update before
 # forming P (OVERLAP False) or form P while it runs; hand P to its MMA in
@@ -266,6 +272,12 @@ GLUON_SEGMENT_TARGET = 128
 # states: 214.5 / 215.9 (OVERLAP + P_SMEM) / 218.2 (P_SMEM) / 303.3 us (OVERLAP:
 # ptxas spills); the Triton kernel 421.7 us
 # (results/experiments/exp_lightning_gluon_tf32_variants.json).
+# Session 5, measured and not kept (B1 N4096 with states, against 216.6 /
+# 215.4 us in the same runs): the decay mask and k's decays read from shared
+# memory instead of recomputed (25% fewer instructions, no spills, but 221.4 us:
+# 16 KB more shared-memory reads per chunk), and q k^T with q S as one N = 128
+# wgmma over [k; S^T] rows (q read once; 219.1 us, and that prototype's outputs
+# were wrong: not debugged further). Raw: exp_lightning_gluon_{decay_smem,merged}.json.
 GLUON_TF32 = dict(OVERLAP=False, P_SMEM=False)
 
 

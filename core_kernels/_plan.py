@@ -8,6 +8,7 @@ two frameworks can never disagree on grids, scalars or constexprs.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -155,6 +156,39 @@ def normalize_dtype_name(dtype: Any) -> str:
 def interpret_requested() -> bool:
     """True when the user asked for Triton's interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# Planner settings forced for a block of code (tests, benchmarks), e.g.
+# prefix_prefill.tile_config. A planner that reads one passes the value into its
+# memoized part; a cache kept above the planners (the torch adapter's
+# planned()) keys on settings_key() so that it never hands out a plan made
+# under other settings.
+_SETTINGS: dict = {}
+
+
+@contextlib.contextmanager
+def forced_setting(name: str, value):
+    """Force planner setting ``name`` (a hashable value) inside the block."""
+    missing = name not in _SETTINGS
+    saved = _SETTINGS.get(name)
+    _SETTINGS[name] = value
+    try:
+        yield
+    finally:
+        if missing:
+            del _SETTINGS[name]
+        else:
+            _SETTINGS[name] = saved
+
+
+def setting(name: str, default=None):
+    """The forced value of planner setting ``name``, or ``default``."""
+    return _SETTINGS.get(name, default)
+
+
+def settings_key() -> tuple:
+    """Every forced setting, for the keys of caches kept above the planners."""
+    return tuple(sorted(_SETTINGS.items())) if _SETTINGS else ()
 
 
 def memoize(fn):

@@ -507,3 +507,21 @@ def test_cuda_graph_replay():
     graph.replay()
     torch.cuda.synchronize()
     check(torch_to_numpy(o), reference({**case, "q": q2}), "float16", "graph replay")
+
+
+def test_torch_plan_cache_follows_tile_config(monkeypatch):
+    """tile_config reaches plans the torch adapter has already cached for the same
+    layouts (its plan cache sits above the planner's): the plain, paged and
+    gathered calls each run their own plan."""
+    import adapters.torch._ops_prefix_prefill as ops
+    plans = []
+    real = ops.run_plan
+    monkeypatch.setattr(ops, "run_plan", lambda plan, *a, **kw: (plans.append(plan), real(plan, *a, **kw))[1])
+    case = make_case([(20, 40), (1, 17)], 4, 2, 32, 16, 8, "float32")
+    ref = reference(case)
+    check(run("torch", case), ref, "float32", "plain")
+    for gather in (False, True):
+        with tile_config(16, 16, 4, 2, True, 1, gather):
+            check(run("torch", case), ref, "float32", f"gather={gather}")
+    paged, gathered = plans[1], plans[2]
+    assert len(gathered.launches) == len(paged.launches) + 1, (paged.launches, gathered.launches)

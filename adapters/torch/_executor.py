@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from core_kernels._interpret import interpreted
-from core_kernels._plan import ArrayInfo, Plan, Scalar, interpret_requested
+from core_kernels._plan import ArrayInfo, Plan, Scalar, interpret_requested, settings_key
 
 TORCH_DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -62,7 +62,7 @@ def planned(planner, tensors: dict, *, check_also: dict | None = None, **options
     extra = check_also or {}
     try:
         key = (planner, tuple(map(_meta, tensors.values())), tuple(map(_meta, extra.values())),
-               tuple(options.items()))
+               tuple(options.items()), settings_key())
         hit = _PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors / unhashable: the checks below say why
         key, hit = None, None

@@ -7,7 +7,8 @@ import math
 import numpy as np
 
 from .._plan import (FLOAT_DTYPES, FP8_DTYPES, FP8_MAX, INT_DTYPES, ITEMSIZE, ArrayInfo, Buffer,
-                     Launch, Plan, Scalar, cdiv, check_dtype, check_ndim, check_shape, memoize, next_pow2)
+                     Launch, Plan, Scalar, cdiv, check_dtype, check_ndim, check_shape, forced_setting,
+                     memoize, next_pow2, setting)
 from .._triton_utils import FP8_ROUNDING
 from .kernels import _prefix_prefill_gather_kernel, _prefix_prefill_kernel
 
@@ -61,23 +62,17 @@ GATHER_TILE_CONFIGS = {(2, 128): (128, 64, 8, 3, True, 0)}
 GATHER_MIN_REUSE = 2
 GATHER_MAX_BYTES = 256 << 20
 
-_override = None
-
-
 @contextlib.contextmanager
 def tile_config(block_m: int, block_n: int, num_warps: int = 4, num_stages: int = 2,
                 pack_gqa: bool = True, prefetch_ids: int = 1, gather=None):
     """Force one tile configuration for plans made inside the block (tests,
     benchmarks); ``gather`` None = automatic, True / False = force the dense
-    scratch copy of the context on / off. Part of the plan's cache key, so
-    cached plans never mix."""
-    global _override
-    saved, _override = _override, (block_m, block_n, num_warps, num_stages, pack_gqa,
-                                 prefetch_ids, gather)
-    try:
+    scratch copy of the context on / off. Part of the plan's cache key (and,
+    as a forced setting, of the keys of the adapters' plan caches), so cached
+    plans never mix."""
+    with forced_setting("prefix_prefill.tile", (block_m, block_n, num_warps, num_stages, pack_gqa,
+                                                prefetch_ids, gather)):
         yield
-    finally:
-        _override = saved
 
 
 def _fp8_format(name: str, info: ArrayInfo, kv_cache_dtype: str, q_dtype: str):
@@ -132,7 +127,7 @@ def plan_prefix_prefill(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len
                  v_scale, alibi_slopes, sinks, fp8_out_scale, int(max_input_len), kv_cache_dtype,
                  None if sliding_window is None else int(sliding_window),
                  None if sm_scale is None else float(sm_scale), bool(skip_decode),
-                 output_dtype, _override)
+                 output_dtype, setting("prefix_prefill.tile"))
 
 
 @memoize

@@ -62,6 +62,7 @@ GATHER_TILE_CONFIGS = {(2, 128): (128, 64, 8, 3, True, 0)}
 GATHER_MIN_REUSE = 2
 GATHER_MAX_BYTES = 256 << 20
 
+
 @contextlib.contextmanager
 def tile_config(block_m: int, block_n: int, num_warps: int = 4, num_stages: int = 2,
                 pack_gqa: bool = True, prefetch_ids: int = 1, gather=None):

@@ -6,9 +6,13 @@ measurements are in results/experiments/exp_lightning_gluon_first.json (ring
 depth 2-4, E-tile 32/64) and exp_lightning_gluon.json (with per-block states).
 This script times the production kernels through the planner (use_gluon=True /
 False) with the L2 flushed, plus constexpr variants of the Gluon launch
-(EXP_VARIANTS, a JSON list of dicts, e.g. '[{"OVERLAP": true}]') and segment
-counts (EXP_SEGMENTS, e.g. 8,32,128: the chained scan with that many segments
-per (b, h, E-tile)), and checks that every variant agrees with the Triton kernel.
+(EXP_VARIANTS, a JSON list of dicts, e.g. '[{"STAGES": 2}]'; applied to the
+default plan and to every segmented one) and segment counts (EXP_SEGMENTS, e.g.
+8,32,128: the chained scan with that many segments per (b, h, E-tile)). With
+EXP_GROUPS (e.g. 1,4) every segment count also runs with each segment group;
+that needs rejected/gluon_segment_groups.diff applied (see README.md). Every
+variant is checked against the Triton kernel and the default Gluon plan, and
+run twice: the second run must be bit-identical (deterministic).
 
     EXP_DTYPES=float32,bfloat16 EXP_SHAPES=1x64x4096,4x64x1024 \\
         python3 -m benchmarks.experiments.exp_lightning_gluon   (GPU only)
@@ -39,6 +43,7 @@ def main():
               for s in os.environ.get("EXP_SHAPES", "1x64x4096").split(",")]
     variants = json.loads(os.environ.get("EXP_VARIANTS", "[]"))
     segments = [int(x) for x in os.environ.get("EXP_SEGMENTS", "").split(",") if x]
+    groups = [int(x) for x in os.environ.get("EXP_GROUPS", "").split(",") if x]
     copy_bw = timing.copy_bandwidth()
     rows = []
 
@@ -56,18 +61,28 @@ def main():
                     plans["gluon" if use_gluon else "triton"] = plan_lightning_attention(
                         info(q), info(k), info(v), info(ed), None, block_size=256,
                         output_final_state_only=fso, use_gluon=use_gluon)
-                for nseg in segments:
-                    plans[f"gluon-seg{nseg}"] = plan_lightning_attention(
-                        info(q), info(k), info(v), info(ed), None, block_size=256,
-                        output_final_state_only=fso, use_gluon=True, num_segments=nseg)
                 for i, var in enumerate(variants):
                     plans[f"gluon-{json.dumps(var, separators=(',', ':'))}"] = _with_constexprs(
                         plans["gluon"], **var)
+                for nseg in segments:
+                    for grp in groups or [None]:
+                        extra = {} if grp is None else dict(seg_group=grp)
+                        seg_plan = plan_lightning_attention(
+                            info(q), info(k), info(v), info(ed), None, block_size=256,
+                            output_final_state_only=fso, use_gluon=True, num_segments=nseg, **extra)
+                        name = f"gluon-seg{nseg}" + ("" if grp is None else f"-g{grp}")
+                        plans[name] = seg_plan
+                        for var in variants:
+                            plans[f"{name}-{json.dumps(var, separators=(',', ':'))}"] = (
+                                _with_constexprs(seg_plan, **var))
                 ref = None
                 for name, plan in plans.items():
                     row = dict(name=f"{name}-{dtype}-B{b}-H{h}-N{n}-{'final' if fso else 'states'}")
                     try:
                         out = run_plan(plan, tensors)
+                        again = run_plan(plan, tensors)
+                        row.update(deterministic=bool(torch.equal(out["output"], again["output"])
+                                                      and torch.equal(out["kv"], again["kv"])))
                         t = timing.kernel_time_torch(lambda: run_plan(plan, tensors))
                         row.update(us=t * 1e6, x_floor=t / (nbytes / copy_bw),
                                    tb_s=nbytes / t / 1e12)

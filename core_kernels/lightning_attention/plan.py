@@ -260,11 +260,33 @@ GLUON_BE = 64
 # Pulling 1-3 further chunks into L2 (prefetch.global.L2) was 4-10% slower for
 # both dtypes on the H200 (results/experiments/exp_lightning_gluon_prefetch.json).
 GLUON_STAGES = {"bfloat16": 4, "float32": 2}
+# More bf16 programs than one wave (one per SM, GLUON_ONE_WAVE on the H200): a
+# 2-deep ring (112 KB of shared memory) fits two programs per SM, and each
+# program's start (first loads, decays) and end (last stores) then overlap the
+# other's loop. H200, B=4, H=64, N=1024 (512 programs): with per-block states
+# 110.5 -> 106.6 us, final state only 96.7 -> 86.0 us. Within one wave it is
+# slower: B=1, H=64, N=4096 (128 programs) 100.8 -> 110.2 us, and the chained
+# scan of B=1, H=8, N=65536 (8 segments x 16 programs) 282.5 -> 319.7 us
+# (results/experiments/exp_lightning_gluon_stages2.json,
+# exp_lightning_gluon_segment_groups_stages2.json).
+GLUON_ONE_WAVE = 132
+GLUON_STAGES_MANY = {"bfloat16": 2, "float32": 2}
 # one program per SM (shared memory): segments for about one wave of programs.
 # More, shorter segments (waves whose k, v re-reads could hit L2) are slower:
 # H200 B1 H8 N65536 bf16 with states, 8/16/32/64/128 segments per (b, h, E-tile):
 # 283/295/311/333/361 us; fp32 632/639/692/706/726 us (the hand-over chain grows;
 # results/experiments/exp_lightning_gluon_segment_sweep.json).
+# Session 6, measured and not kept: a scan over groups of segments, where every
+# segment publishes its own contribution and only the groups' end states are
+# chained (summed in a fixed order, so still deterministic;
+# benchmarks/experiments/rejected/gluon_segment_groups.diff). Same shape, groups
+# of 1/2/4/8: 8 segments bf16 279.6/276.8/279.4/277.6 us, 128 segments
+# 360.5/352.5/396.0/499.2 us, 256 segments 630-660 us; fp32 slower for any
+# group > 1 (ptxas spills in the loop: 8 segments 627.7 vs 739-747 us). A short
+# segment's program pays several dependent memory round trips (ticket, first
+# loads, the publishing fence, the hand-over) that one program per SM cannot
+# hide, and two per SM (the 2-deep ring) were slower at every segment count
+# (results/experiments/exp_lightning_gluon_segment_groups*.json).
 GLUON_SEGMENT_TARGET = 128
 # fp32 kernel (_gluon_prefill_tf32_kernel): wait for the state update before
 # forming P (OVERLAP False) or form P while it runs; hand P to its MMA in
@@ -307,9 +329,10 @@ def _gluon_plan(q, k, v, ed, kv_history, block_size, output_final_state_only, nu
     programs = b * h * (e // GLUON_BE)
     num_chunks = n // GLUON_T
     block_chunks = 0 if output_final_state_only else block_size // GLUON_T
+    stages = (GLUON_STAGES_MANY if programs > GLUON_ONE_WAVE else GLUON_STAGES)[q.dtype]
     # segments are whole state blocks (single chunks when only the final state is
     # kept) and start on a ring slot 0 (the kernels take chunk % STAGES as the slot)
-    unit = int(np.lcm(block_chunks or 1, GLUON_STAGES[q.dtype]))
+    unit = int(np.lcm(block_chunks or 1, stages))
     num_units = cdiv(num_chunks, unit)
     if num_segments is None:
         num_segments = 1
@@ -334,7 +357,7 @@ def _gluon_plan(q, k, v, ed, kv_history, block_size, output_final_state_only, nu
         ("q", "k", "v", "ed", hist, Scalar(h), Scalar(b), Scalar(n), Scalar(seg_chunks),
          Scalar(num_segments), Scalar(ed.strides[0]), *(Scalar(x // align) for x in strides)),
         ("output", "kv", "seg_state", "sync"),
-        dict(T=GLUON_T, D=d, E=e, BE=GLUON_BE, STAGES=GLUON_STAGES[q.dtype], BLOCK_CHUNKS=block_chunks,
+        dict(T=GLUON_T, D=d, E=e, BE=GLUON_BE, STAGES=stages, BLOCK_CHUNKS=block_chunks,
              HAS_HISTORY=has_hist, SEGMENTED=segmented, ALIGN=align,
              STRIDE_QT=q.strides[2], STRIDE_KT=k.strides[2], STRIDE_VT=v.strides[2],
              **(GLUON_TF32 if fp32 else {})),

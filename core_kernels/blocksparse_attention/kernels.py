@@ -243,6 +243,18 @@ def _bsattn_fwd_kernel(
 
 
 @triton.jit
+def _store_decode_result(b_o, m_i, l_i, l_safe, p_out, p_part, p_lse, mask_o, mask_lse,
+                         NUM_SPLITS: tl.constexpr):
+    """A decode program's result: the normalised output itself (one split), or
+    the split's partial output and its base-2 LSE for _bsattn_combine_kernel."""
+    if NUM_SPLITS == 1:
+        tl.store(p_out, b_o.to(p_out.dtype.element_ty), mask=mask_o)
+    else:
+        tl.store(p_part, b_o, mask=mask_o)
+        tl.store(p_lse, tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf")), mask=mask_lse)
+
+
+@triton.jit
 def _bsattn_decode_kernel(
     # input pointers
     q_ptr, k_ptr, v_ptr, cu_k_ptr, crow_ptr, col_ptr,
@@ -311,15 +323,11 @@ def _bsattn_decode_kernel(
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    b_o = acc / l_safe
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + i_b.to(tl.int64) * stride_ot + i_h * stride_oh + o_d,
-                 b_o.to(out_ptr.dtype.element_ty), mask=m_d)
-    else:
-        row = (i_b * num_heads + i_h) * NUM_SPLITS + i_s
-        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
-        tl.store(part_ptr + row.to(tl.int64) * head_size + o_d, b_o, mask=m_d)
-        tl.store(part_ptr + LSE_OFFSET + row, lse)
+    row = (i_b * num_heads + i_h) * NUM_SPLITS + i_s
+    _store_decode_result(acc / l_safe, m_i, l_i, l_safe,
+                         out_ptr + i_b.to(tl.int64) * stride_ot + i_h * stride_oh + o_d,
+                         part_ptr + row.to(tl.int64) * head_size + o_d, part_ptr + LSE_OFFSET + row, m_d,
+                         None, NUM_SPLITS)
 
 
 @triton.jit
@@ -462,13 +470,8 @@ def _bsattn_decode_group_kernel(
                     row_ok, m_dk, m_dv, True, True, EVEN_D, IS_FP32, FOLD_SCALE)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    b_o = acc / l_safe[:, None]
-    m_o = m_m[:, None] & m_d[None, :]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + i_b.to(tl.int64) * stride_ot + h_m[:, None] * stride_oh + o_d[None, :],
-                 b_o.to(out_ptr.dtype.element_ty), mask=m_o)
-    else:
-        row = ((i_b * num_heads + h_m) * NUM_SPLITS + i_s).to(tl.int64)   # [BLOCK_M]
-        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
-        tl.store(part_ptr + row[:, None] * head_size + o_d[None, :], b_o, mask=m_o)
-        tl.store(part_ptr + LSE_OFFSET + row, lse, mask=m_m)
+    row = ((i_b * num_heads + h_m) * NUM_SPLITS + i_s).to(tl.int64)   # [BLOCK_M]
+    _store_decode_result(acc / l_safe[:, None], m_i, l_i, l_safe,
+                         out_ptr + i_b.to(tl.int64) * stride_ot + h_m[:, None] * stride_oh + o_d[None, :],
+                         part_ptr + row[:, None] * head_size + o_d[None, :], part_ptr + LSE_OFFSET + row,
+                         m_m[:, None] & m_d[None, :], m_m, NUM_SPLITS)

@@ -193,6 +193,36 @@ def _segment_sum(k_ring, v_ring, stage_smem, base_k, base_v, offs_k, offs_v, c_l
     return b_l
 
 
+@gluon.jit
+def _segment_start(b_s, k_ring, v_ring, stage_smem, base_k, base_v, offs_k, offs_v, c_lo, c_hi,
+                   k_decay, chunk_decay, s, ticket, per_seg, seg, num_segments, sync_ptr, pub_ptr,
+                   i_bh, e0, offs_s, T: gl.constexpr, D: gl.constexpr, E: gl.constexpr,
+                   BE: gl.constexpr, STAGES: gl.constexpr, STRIDE_KT: gl.constexpr,
+                   STRIDE_VT: gl.constexpr, ld_v: gl.constexpr, a_op: gl.constexpr,
+                   mma_te: gl.constexpr, TF32: gl.constexpr):
+    """A segment's starting state: its own contribution (_segment_sum; the last
+    segment needs none), then the hand-over (_chain) through this (b, h,
+    E-tile)'s slice of pub_ptr."""
+    b_l = gl.zeros([D, BE], gl.float32, layout=mma_te)
+    if seg < num_segments - 1:
+        b_l = _segment_sum(k_ring, v_ring, stage_smem, base_k, base_v, offs_k, offs_v, c_lo, c_hi,
+                           k_decay, chunk_decay, T, D, BE, STAGES, STRIDE_KT, STRIDE_VT, ld_v, a_op,
+                           mma_te, TF32)
+    return _chain(b_s, b_l, s, ticket, per_seg, seg, num_segments, ((c_hi - c_lo) * T).to(gl.float32),
+                  sync_ptr, pub_ptr + (i_bh.to(gl.int64) * num_segments * D * E + e0), offs_s, D, E)
+
+
+@gluon.jit
+def _store_final(b_s, kv_base, offs_s, seg, num_segments, num_chunks, D: gl.constexpr,
+                 E: gl.constexpr, BLOCK_CHUNKS: gl.constexpr):
+    """The last segment holds the final state: kv's last block entry, or kv itself."""
+    if seg == num_segments - 1:
+        if BLOCK_CHUNKS > 0:
+            gl.store(kv_base + (num_chunks + BLOCK_CHUNKS - 1) // BLOCK_CHUNKS * D * E + offs_s, b_s)
+        else:
+            gl.store(kv_base + offs_s, b_s)
+
+
 @gluon.jit(do_not_specialize=_GLUON_RUNTIME, do_not_specialize_on_alignment=_GLUON_INTS)
 def _gluon_prefill_kernel(
     q_ptr, k_ptr, v_ptr, decay_ptr, history_ptr,
@@ -268,13 +298,10 @@ def _gluon_prefill_kernel(
                                 stride_hh, stride_hd, r_s, c_s, D, E, BE, ALIGN, BLOCK_CHUNKS,
                                 HAS_HISTORY, mma_te)
     if SEGMENTED:
-        b_l = gl.zeros([D, BE], gl.float32, layout=mma_te)
-        if seg < num_segments - 1:
-            b_l = _segment_sum(k_ring, v_ring, vd_smem, base_k, base_v, offs_k, offs_v, c_lo, c_hi, k_decay,
-                               chunk_decay, T, D, BE, STAGES, STRIDE_KT, STRIDE_VT, ld_v, p_op, mma_te,
-                               False)
-        b_s = _chain(b_s, b_l, s, ticket, per_seg, seg, num_segments, ((c_hi - c_lo) * T).to(gl.float32),
-                     sync_ptr, pub_ptr + (i_bh.to(gl.int64) * num_segments * D * E + e0), offs_s, D, E)
+        b_s = _segment_start(b_s, k_ring, v_ring, vd_smem, base_k, base_v, offs_k, offs_v, c_lo, c_hi,
+                             k_decay, chunk_decay, s, ticket, per_seg, seg, num_segments, sync_ptr, pub_ptr,
+                             i_bh, e0, offs_s, T, D, E, BE, STAGES, STRIDE_KT, STRIDE_VT, ld_v, p_op,
+                             mma_te, False)
 
     _prologue(q_ring, k_ring, v_ring, c_lo, c_hi, base_q, base_k, base_v, offs_q, offs_k, offs_v,
               T, STAGES, STRIDE_QT, STRIDE_KT, STRIDE_VT, True)
@@ -316,11 +343,7 @@ def _gluon_prefill_kernel(
         b_o = acc_pv + acc_qs * q_decay[:, None]
         gl.store(base_o + c * T * E + offs_o, gl.convert_layout(b_o.to(gl.bfloat16), ld_v))
     async_copy.wait_group(0)
-    if seg == num_segments - 1:  # the last segment holds the final state
-        if BLOCK_CHUNKS > 0:
-            gl.store(kv_base + (num_chunks + BLOCK_CHUNKS - 1) // BLOCK_CHUNKS * D * E + offs_s, b_s)
-        else:
-            gl.store(kv_base + offs_s, b_s)
+    _store_final(b_s, kv_base, offs_s, seg, num_segments, num_chunks, D, E, BLOCK_CHUNKS)
 
 
 @gluon.jit(do_not_specialize=_GLUON_RUNTIME, do_not_specialize_on_alignment=_GLUON_INTS)
@@ -397,13 +420,10 @@ def _gluon_prefill_tf32_kernel(
                                 stride_hh, stride_hd, r_s, c_s, D, E, BE, ALIGN, BLOCK_CHUNKS,
                                 HAS_HISTORY, mma_te)
     if SEGMENTED:
-        b_l = gl.zeros([D, BE], gl.float32, layout=mma_te)
-        if seg < num_segments - 1:
-            b_l = _segment_sum(k_ring, v_ring, vt_buf.index(0), base_k, base_v, offs_k, offs_v, c_lo, c_hi,
-                               _exp2_ftz((T - 1 - t_a).to(gl.float32) * s_log2), chunk_decay, T, D, BE,
-                               STAGES, STRIDE_KT, STRIDE_VT, ld_vt, a_op, mma_te, True)
-        b_s = _chain(b_s, b_l, s, ticket, per_seg, seg, num_segments, ((c_hi - c_lo) * T).to(gl.float32),
-                     sync_ptr, pub_ptr + (i_bh.to(gl.int64) * num_segments * D * E + e0), offs_s, D, E)
+        b_s = _segment_start(b_s, k_ring, v_ring, vt_buf.index(0), base_k, base_v, offs_k, offs_v, c_lo,
+                             c_hi, _exp2_ftz((T - 1 - t_a).to(gl.float32) * s_log2), chunk_decay, s, ticket,
+                             per_seg, seg, num_segments, sync_ptr, pub_ptr, i_bh, e0, offs_s, T, D, E, BE,
+                             STAGES, STRIDE_KT, STRIDE_VT, ld_vt, a_op, mma_te, True)
 
     _prologue(q_ring, k_ring, v_ring, c_lo, c_hi, base_q, base_k, base_v, offs_q, offs_k, offs_v,
               T, STAGES, STRIDE_QT, STRIDE_KT, STRIDE_VT, True)
@@ -470,8 +490,4 @@ def _gluon_prefill_tf32_kernel(
             b_s = acc_s
         gl.store(base_o + (t_te + c * T)[:, None] * E + c_s[None, :], acc_o)
     async_copy.wait_group(0)
-    if seg == num_segments - 1:  # the last segment holds the final state
-        if BLOCK_CHUNKS > 0:
-            gl.store(kv_base + (num_chunks + BLOCK_CHUNKS - 1) // BLOCK_CHUNKS * D * E + offs_s, b_s)
-        else:
-            gl.store(kv_base + offs_s, b_s)
+    _store_final(b_s, kv_base, offs_s, seg, num_segments, num_chunks, D, E, BLOCK_CHUNKS)

@@ -108,10 +108,16 @@ def _program(sync_ptr, num_heads, num_rows, seq_len, seg_chunks, decay_ptr, stri
 
 @gluon.jit
 def _start_state(history_ptr, kv_ptr, i_b, i_h, i_bh, e0, num_chunks, stride_hb, stride_hh, stride_hd,
-                 r_s, c_s, D: gl.constexpr, E: gl.constexpr, BE: gl.constexpr, ALIGN: gl.constexpr,
+                 D: gl.constexpr, E: gl.constexpr, BE: gl.constexpr, ALIGN: gl.constexpr,
                  BLOCK_CHUNKS: gl.constexpr, HAS_HISTORY: gl.constexpr, mma_te: gl.constexpr):
-    """The sequence's starting state (kv_history or 0) in the MMA layout, and this
-    (b, h, E-tile)'s base in kv ([B, H, NB + 1, D, E] or [B, H, D, E])."""
+    """The sequence's starting state (kv_history or 0) in the MMA layout, this
+    (b, h, E-tile)'s base in kv ([B, H, NB + 1, D, E] or [B, H, D, E]), and the
+    state's row / column indices and offsets in that layout. The state is read
+    and written straight in the MMA layout (8-byte pieces, whole 32-byte sectors
+    per 4 threads): no conversion scratch or registers."""
+    r_s = gl.arange(0, D, layout=gl.SliceLayout(1, mma_te))
+    c_s = gl.arange(0, BE, layout=gl.SliceLayout(0, mma_te))
+    offs_s = r_s[:, None] * E + c_s[None, :]
     if HAS_HISTORY:
         b_s = gl.load(history_ptr + (i_b * (stride_hb * ALIGN) + i_h * (stride_hh * ALIGN) + e0)
                       + r_s[:, None] * (stride_hd * ALIGN) + c_s[None, :])
@@ -122,7 +128,34 @@ def _start_state(history_ptr, kv_ptr, i_b, i_h, i_bh, e0, num_chunks, stride_hb,
         kv_base = kv_ptr + (i_bh.to(gl.int64) * (num_blocks + 1) * D * E + e0)
     else:
         kv_base = kv_ptr + (i_bh.to(gl.int64) * D * E + e0)
-    return b_s, kv_base
+    return b_s, kv_base, r_s, c_s, offs_s
+
+
+@gluon.jit
+def _rings(dtype: gl.constexpr, STAGES: gl.constexpr, T: gl.constexpr, D: gl.constexpr,
+           BE: gl.constexpr, sh_qk: gl.constexpr, sh_v: gl.constexpr):
+    """The q, k and v load rings in shared memory (STAGES chunks each)."""
+    q_ring = gl.allocate_shared_memory(dtype, [STAGES, T, D], sh_qk)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES, T, D], sh_qk)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES, T, BE], sh_v)
+    return q_ring, k_ring, v_ring
+
+
+@gluon.jit
+def _token_offsets(ld_qk: gl.constexpr, ld_v: gl.constexpr, T: gl.constexpr, D: gl.constexpr,
+                   BE: gl.constexpr, STRIDE_QT: gl.constexpr, STRIDE_KT: gl.constexpr,
+                   STRIDE_VT: gl.constexpr):
+    """A chunk's q, k ([T, D], layout ld_qk) and v ([T, BE], ld_v) element offsets:
+    int32 within one (b, h) slice (the planner checks that they fit); and v's row
+    and column indices."""
+    r_qk = gl.arange(0, T, layout=gl.SliceLayout(1, ld_qk))
+    c_qk = gl.arange(0, D, layout=gl.SliceLayout(0, ld_qk))
+    r_v = gl.arange(0, T, layout=gl.SliceLayout(1, ld_v))
+    c_v = gl.arange(0, BE, layout=gl.SliceLayout(0, ld_v))
+    offs_q = r_qk[:, None] * STRIDE_QT + c_qk[None, :]
+    offs_k = r_qk[:, None] * STRIDE_KT + c_qk[None, :]
+    offs_v = r_v[:, None] * STRIDE_VT + c_v[None, :]
+    return offs_q, offs_k, offs_v, r_v, c_v
 
 
 @gluon.jit
@@ -263,20 +296,12 @@ def _gluon_prefill_kernel(
                         q_ptr, k_ptr, v_ptr, o_ptr, stride_qb, stride_qh, stride_kb, stride_kh,
                         stride_vb, stride_vh, T, E, BE, ALIGN, SEGMENTED)
 
-    q_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, T, D], sh_qk)
-    k_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, T, D], sh_qk)
-    v_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, T, BE], sh_v)
+    q_ring, k_ring, v_ring = _rings(gl.bfloat16, STAGES, T, D, BE, sh_qk, sh_v)
     s_smem = gl.allocate_shared_memory(gl.bfloat16, [D, BE], sh_s)
     vd_smem = gl.allocate_shared_memory(gl.bfloat16, [T, BE], sh_v)
 
-    r_qk = gl.arange(0, T, layout=gl.SliceLayout(1, ld_qk))
-    c_qk = gl.arange(0, D, layout=gl.SliceLayout(0, ld_qk))
-    r_v = gl.arange(0, T, layout=gl.SliceLayout(1, ld_v))
-    c_v = gl.arange(0, BE, layout=gl.SliceLayout(0, ld_v))
-    # int32 offsets within one (b, h) slice (the planner checks that they fit)
-    offs_q = r_qk[:, None] * STRIDE_QT + c_qk[None, :]
-    offs_k = r_qk[:, None] * STRIDE_KT + c_qk[None, :]
-    offs_v = r_v[:, None] * STRIDE_VT + c_v[None, :]
+    offs_q, offs_k, offs_v, r_v, c_v = _token_offsets(ld_qk, ld_v, T, D, BE, STRIDE_QT, STRIDE_KT,
+                                                      STRIDE_VT)
     offs_o = r_v[:, None] * E + c_v[None, :]
 
     # decays: q S0 rows by lambda^(i+1), v rows by lambda^(T-1-j), scores by lambda^(i-j)
@@ -289,14 +314,9 @@ def _gluon_prefill_kernel(
     causal = gl.where(diff >= 0, gl.exp(-s * diff), 0.0)
     chunk_decay = gl.exp(-s * T)
 
-    # the state is read and written straight in the MMA layout (8-byte pieces,
-    # whole 32-byte sectors per 4 threads): no conversion scratch or registers
-    r_s = gl.arange(0, D, layout=gl.SliceLayout(1, mma_te))
-    c_s = gl.arange(0, BE, layout=gl.SliceLayout(0, mma_te))
-    offs_s = r_s[:, None] * E + c_s[None, :]
-    b_s, kv_base = _start_state(history_ptr, kv_ptr, i_b, i_h, i_bh, e0, num_chunks, stride_hb,
-                                stride_hh, stride_hd, r_s, c_s, D, E, BE, ALIGN, BLOCK_CHUNKS,
-                                HAS_HISTORY, mma_te)
+    b_s, kv_base, r_s, c_s, offs_s = _start_state(history_ptr, kv_ptr, i_b, i_h, i_bh, e0, num_chunks,
+                                                  stride_hb, stride_hh, stride_hd, D, E, BE, ALIGN,
+                                                  BLOCK_CHUNKS, HAS_HISTORY, mma_te)
     if SEGMENTED:
         b_s = _segment_start(b_s, k_ring, v_ring, vd_smem, base_k, base_v, offs_k, offs_v, c_lo, c_hi,
                              k_decay, chunk_decay, s, ticket, per_seg, seg, num_segments, sync_ptr, pub_ptr,
@@ -388,22 +408,14 @@ def _gluon_prefill_tf32_kernel(
                         q_ptr, k_ptr, v_ptr, o_ptr, stride_qb, stride_qh, stride_kb, stride_kh,
                         stride_vb, stride_vh, T, E, BE, ALIGN, SEGMENTED)
 
-    q_ring = gl.allocate_shared_memory(gl.float32, [STAGES, T, D], sh_qk)
-    k_ring = gl.allocate_shared_memory(gl.float32, [STAGES, T, D], sh_qk)
-    v_ring = gl.allocate_shared_memory(gl.float32, [STAGES, T, BE], sh_v)
+    q_ring, k_ring, v_ring = _rings(gl.float32, STAGES, T, D, BE, sh_qk, sh_v)
     st_buf = gl.allocate_shared_memory(gl.float32, [1, BE, D], sh_st)
     vt_buf = gl.allocate_shared_memory(gl.float32, [1, BE, T], sh_vt)
     if P_SMEM:
         sh_p: gl.constexpr = gl.NVMMASharedLayout.get_default_for([T, T], gl.float32)
         p_buf = gl.allocate_shared_memory(gl.float32, [1, T, T], sh_p)
 
-    r_qk = gl.arange(0, T, layout=gl.SliceLayout(1, ld_qk))
-    c_qk = gl.arange(0, D, layout=gl.SliceLayout(0, ld_qk))
-    r_v = gl.arange(0, T, layout=gl.SliceLayout(1, ld_v))
-    c_v = gl.arange(0, BE, layout=gl.SliceLayout(0, ld_v))
-    offs_q = r_qk[:, None] * STRIDE_QT + c_qk[None, :]
-    offs_k = r_qk[:, None] * STRIDE_KT + c_qk[None, :]
-    offs_v = r_v[:, None] * STRIDE_VT + c_v[None, :]
+    offs_q, offs_k, offs_v = _token_offsets(ld_qk, ld_v, T, D, BE, STRIDE_QT, STRIDE_KT, STRIDE_VT)[:3]
 
     t_te = gl.arange(0, T, layout=gl.SliceLayout(1, mma_te))
     q_decay = gl.exp(-s * (t_te + 1).to(gl.float32))
@@ -413,12 +425,9 @@ def _gluon_prefill_tf32_kernel(
     chunk_decay = gl.exp(-s * T)
     s_log2 = -s * 1.4426950408889634  # lambda^x = 2^(x * s_log2)
 
-    r_s = gl.arange(0, D, layout=gl.SliceLayout(1, mma_te))
-    c_s = gl.arange(0, BE, layout=gl.SliceLayout(0, mma_te))
-    offs_s = r_s[:, None] * E + c_s[None, :]
-    b_s, kv_base = _start_state(history_ptr, kv_ptr, i_b, i_h, i_bh, e0, num_chunks, stride_hb,
-                                stride_hh, stride_hd, r_s, c_s, D, E, BE, ALIGN, BLOCK_CHUNKS,
-                                HAS_HISTORY, mma_te)
+    b_s, kv_base, r_s, c_s, offs_s = _start_state(history_ptr, kv_ptr, i_b, i_h, i_bh, e0, num_chunks,
+                                                  stride_hb, stride_hh, stride_hd, D, E, BE, ALIGN,
+                                                  BLOCK_CHUNKS, HAS_HISTORY, mma_te)
     if SEGMENTED:
         b_s = _segment_start(b_s, k_ring, v_ring, vt_buf.index(0), base_k, base_v, offs_k, offs_v, c_lo,
                              c_hi, _exp2_ftz((T - 1 - t_a).to(gl.float32) * s_log2), chunk_decay, s, ticket,

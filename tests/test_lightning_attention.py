@@ -481,9 +481,12 @@ def test_gluon_kernel_only_where_it_applies():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("fso", [False, True])
 @pytest.mark.parametrize("history", [False, True])
-# (4, 2048): a chained scan of 8 segments; (4, 64, 384): 512 programs, more than
-# one wave, so bf16 takes the 2-deep ring (two programs per SM)
-@pytest.mark.parametrize("b,h,n", [(1, 64, 640), (1, 4, 2048), (4, 64, 384)])
+# (4, 2048): a chained scan of 8 segments; (4, 2112): 33 chunks, a last segment
+# of 3; (4, 64, 384): 512 programs, more than one wave, so bf16 takes the 2-deep
+# ring (two programs per SM); (64, 320) and (64, 64): an odd chunk count and a
+# single chunk (the fp32 kernel's two warpgroups alternate between 2 ring slots)
+@pytest.mark.parametrize("b,h,n", [(1, 64, 640), (1, 4, 2048), (1, 4, 2112), (4, 64, 384),
+                                   (1, 64, 320), (1, 64, 64)])
 def test_gpu_gluon_prefill_strided_inputs(dtype, fso, history, b, h, n):
     """The Gluon kernels (bf16 / fp32, D=128, N and block_size multiples of 64)
     on the [B, N, H, D] layout models keep (a transposed view), against the

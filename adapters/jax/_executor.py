@@ -46,10 +46,13 @@ def _enable_gluon_kernels(jax_triton) -> None:
     (``code_gen.ast_to_ttir`` with an ``ASTSource``, then ``make_ttir`` and
     ``make_ttgir``). A Gluon kernel (``fn.is_gluon()``) is written at the TTGIR
     level: its module must come from Gluon's source object and be lowered by
-    the backend's Gluon stage. Only jax-triton's own two references are
-    rebound (its ``code_gen`` name and ``compile_ttir_to_ptx_inplace``);
-    Triton's modules, and so the torch side, are untouched. Both frameworks
-    then compile the same kernel through the same stages.
+    the backend's Gluon stage. A warp-specialised Gluon kernel also runs more
+    warps than ``num_warps`` (its worker partitions'), which jax-triton would
+    launch it with; the compiled count is used instead. Only jax-triton's own
+    three references are rebound (its ``code_gen`` and ``triton_kernel_call_lib``
+    names and ``compile_ttir_to_ptx_inplace``); Triton's modules, and so the
+    torch side, are untouched. Both frameworks then compile the same kernel
+    through the same stages.
     """
     import types
 
@@ -82,14 +85,27 @@ def _enable_gluon_kernels(jax_triton) -> None:
         ttgir = backend.gluon_to_ttgir(module, metadata, options, capability)
         llir = backend.make_llir(ttgir, metadata, options, capability)
         ptx = backend.make_ptx(llir, metadata, options, capability)
+        # a warp-specialised kernel runs more warps than it was compiled for
+        # (metadata["num_warps"] counts every partition's)
+        launch_warps[metadata["name"]] = metadata["num_warps"]
         return lib.CompilationResult(binary=ptx, name=metadata["name"],
                                      shared_mem_bytes=metadata["shared"], ttgir=None, llir=None)
+
+    call_lib = lib.triton_kernel_call_lib
+    launch_warps = {}  # Gluon kernel name -> warps to launch
+
+    def triton_kernel(name, num_warps, *args):
+        return call_lib.TritonKernel(name, launch_warps.get(name, num_warps), *args)
 
     proxy = types.ModuleType(code_gen.__name__)
     proxy.__dict__.update(vars(code_gen))
     proxy.ast_to_ttir = ast_to_ttir
+    call_proxy = types.ModuleType(call_lib.__name__)
+    call_proxy.__dict__.update(vars(call_lib))
+    call_proxy.TritonKernel = triton_kernel
     lib.code_gen = proxy
     lib.compile_ttir_to_ptx_inplace = compile_ttir_to_ptx_inplace
+    lib.triton_kernel_call_lib = call_proxy
     lib._tandem_gluon = True
 
 

@@ -12,8 +12,10 @@ masked scores while the latter two run, then issues P v and waits once:
 
 Its products are the Triton kernel's (bf16 operands, fp32 accumulation, the
 state kept in fp32 registers), so the two agree to rounding. The fp32 kernel
-makes the same products in tf32 (see _gluon_prefill_tf32_kernel). Loads go
-through a STAGES-deep ring of cp.async copies. With few (b, h) pairs the
+makes the same products in tf32 and is warp-specialised: a state warpgroup
+and an output warpgroup run side by side, synchronised by mbarriers (see
+_gluon_prefill_tf32_kernel). Loads go through a STAGES-deep ring of cp.async
+copies. With few (b, h) pairs the
 sequence is cut into segments chained through memory (_chain), as in
 kernels.py. Scope (the planner checks it and otherwise uses kernels.py): bf16
 or fp32, D = 128, E a multiple of the 64-column E-tile, N a multiple of the
@@ -22,7 +24,7 @@ only (Gluon has no interpreter).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared,
+from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
                                                              warpgroup_mma, warpgroup_mma_wait)
 
 # ints are compiled without divisibility specialisation, as jax-triton does
@@ -366,6 +368,98 @@ def _gluon_prefill_kernel(
     _store_final(b_s, kv_base, offs_s, seg, num_segments, num_chunks, D, E, BLOCK_CHUNKS)
 
 
+@gluon.jit
+def _tf32_state_partition(b_s, q_ring, k_ring, v_ring, st_buf, vt_buf, ready, st_free, vt_free, ring_free,
+                          c_lo, c_hi, kv_base, r_s, c_s, base_q, base_k, base_v, offs_q, offs_k, offs_v,
+                          s_log2, chunk_decay, T: gl.constexpr, D: gl.constexpr, E: gl.constexpr,
+                          BLOCK_CHUNKS: gl.constexpr, STRIDE_QT: gl.constexpr, STRIDE_KT: gl.constexpr,
+                          STRIDE_VT: gl.constexpr, ld_vt: gl.constexpr, a_s: gl.constexpr):
+    """Warp-specialised fp32 prefill, the state warpgroup (the default partition):
+    issues every load (a 2-deep ring), makes the operands the output warpgroup
+    reads (v^T into vt_buf[i % 2], S^T into st_buf) and signals ready[i % 2],
+    then updates the state S <- lambda^T S + k_d^T v while the output
+    warpgroup's products run. Chunk i = c - c_lo; the output warpgroup frees
+    st_buf (q S done), ring slot i % 2 (q k^T, q S done) and vt_buf[i % 2] (P v done)."""
+    t_a = gl.arange(0, T, layout=gl.SliceLayout(0, a_s))
+    for j in gl.static_range(2):
+        if c_lo + j < c_hi:
+            _load_chunk(q_ring, k_ring, v_ring, j, c_lo + j, base_q, base_k, base_v, offs_q, offs_k,
+                        offs_v, T, STRIDE_QT, STRIDE_KT, STRIDE_VT)
+        async_copy.commit_group()
+    for c in range(c_lo, c_hi):
+        i = c - c_lo
+        slot = i % 2
+        n = i // 2
+        if BLOCK_CHUNKS > 0:
+            if c % BLOCK_CHUNKS == 0:
+                gl.store(kv_base + (r_s + (c // BLOCK_CHUNKS) * D)[:, None] * E + c_s[None, :], b_s)
+        async_copy.wait_group(1)
+        gl.thread_barrier()
+        vt_smem = vt_buf.index(slot)
+        mbarrier.wait(vt_free.index(slot), (n & 1) ^ 1)
+        vt_smem.store(gl.permute(v_ring.index(slot).load(ld_vt), (1, 0)))
+        mbarrier.wait(st_free.index(0), (i & 1) ^ 1)
+        st_buf.index(0).store(gl.permute(b_s, (1, 0)))
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(ready.index(slot), count=1)
+        b_s = b_s * chunk_decay
+        k_decay = _exp2_ftz((T - 1 - t_a).to(gl.float32) * s_log2)
+        kt = k_ring.index(slot).permute((1, 0)).load(a_s) * k_decay[None, :]
+        acc_s = warpgroup_mma(kt, vt_smem.permute((1, 0)), b_s, is_async=True)
+        b_s = warpgroup_mma_wait(num_outstanding=0, deps=(acc_s, kt))[0]
+        # refill the slot with chunk c+2 once the output warpgroup's q k^T and q S are done
+        mbarrier.wait(ring_free.index(slot), n & 1)
+        gl.thread_barrier()
+        if c + 2 < c_hi:
+            _load_chunk(q_ring, k_ring, v_ring, slot, c + 2, base_q, base_k, base_v, offs_q, offs_k,
+                        offs_v, T, STRIDE_QT, STRIDE_KT, STRIDE_VT)
+        async_copy.commit_group()
+    async_copy.wait_group(0)
+    return (b_s,)
+
+
+@gluon.jit
+def _tf32_output_partition(q_ring, k_ring, st_buf, vt_buf, ready, st_free, vt_free, ring_free, c_lo, c_hi,
+                           base_o, s_log2, T: gl.constexpr, E: gl.constexpr, BE: gl.constexpr):
+    """Warp-specialised fp32 prefill, the output warpgroup (a worker partition):
+    o = (q k^T * M) v + (q S) * lambda^(i+1) for each chunk, from the operands
+    the state warpgroup made (see _tf32_state_partition)."""
+    mma_tt: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, T, 8])
+    mma_te: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BE, 8])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_te, k_width=1)
+    t_te = gl.arange(0, T, layout=gl.SliceLayout(1, mma_te))
+    c_te = gl.arange(0, BE, layout=gl.SliceLayout(0, mma_te))
+    q_decay = _exp2_ftz((t_te + 1).to(gl.float32) * s_log2)
+    i_tt = gl.arange(0, T, layout=gl.SliceLayout(1, mma_tt)).to(gl.float32)
+    j_tt = gl.arange(0, T, layout=gl.SliceLayout(0, mma_tt)).to(gl.float32)
+    zero_tt = gl.zeros([T, T], gl.float32, layout=mma_tt)
+    zero_te = gl.zeros([T, BE], gl.float32, layout=mma_te)
+    for c in range(c_lo, c_hi):
+        i = c - c_lo
+        slot = i % 2
+        mbarrier.wait(ready.index(slot), (i // 2) & 1)
+        q_s = q_ring.index(slot)
+        acc_qs = warpgroup_mma(q_s, st_buf.index(0).permute((1, 0)), zero_te, use_acc=False, is_async=True)
+        acc_qk = warpgroup_mma(q_s, k_ring.index(slot).permute((1, 0)), zero_tt, use_acc=False,
+                               is_async=True)
+        acc_qs, acc_qk = warpgroup_mma_wait(num_outstanding=0, deps=(acc_qs, acc_qk))
+        gl.thread_barrier()
+        mbarrier.arrive(st_free.index(0), count=1)
+        mbarrier.arrive(ring_free.index(slot), count=1)
+        b_o = acc_qs * q_decay[:, None]
+        diff = i_tt[:, None] - j_tt[None, :]
+        p = gl.where(diff >= 0, acc_qk * _exp2_ftz(diff * s_log2), 0.0)
+        p = gl.convert_layout(p, a_op)
+        acc_o = warpgroup_mma(p, vt_buf.index(slot).permute((1, 0)), b_o, is_async=True)
+        acc_o = warpgroup_mma_wait(num_outstanding=0, deps=(acc_o, p))[0]
+        gl.thread_barrier()
+        mbarrier.arrive(vt_free.index(slot), count=1)
+        gl.store(base_o + (t_te + c * T)[:, None] * E + c_te[None, :], acc_o)
+
+
 @gluon.jit(do_not_specialize=_GLUON_RUNTIME, do_not_specialize_on_alignment=_GLUON_INTS)
 def _gluon_prefill_tf32_kernel(
     q_ptr, k_ptr, v_ptr, decay_ptr, history_ptr,
@@ -376,7 +470,7 @@ def _gluon_prefill_tf32_kernel(
     T: gl.constexpr, D: gl.constexpr, E: gl.constexpr, BE: gl.constexpr, STAGES: gl.constexpr,
     BLOCK_CHUNKS: gl.constexpr, HAS_HISTORY: gl.constexpr, SEGMENTED: gl.constexpr,
     ALIGN: gl.constexpr, STRIDE_QT: gl.constexpr, STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr,
-    OVERLAP: gl.constexpr, P_SMEM: gl.constexpr,
+    WS_REGS: gl.constexpr,
 ):
     """_gluon_prefill_kernel for fp32 inputs: every product in tf32 (fp32 accumulation).
 
@@ -388,13 +482,17 @@ def _gluon_prefill_tf32_kernel(
         P v     B = v^T, v stored transposed into shared memory
         k^T v_d A = (k * lambda^(T-1-j))^T, loaded transposed into registers;
                 B = v^T (the decay is put on k, so both products share v^T)
+    Warp-specialised: after the setup (4 warps: starting state, a segment's
+    hand-over) the state warpgroup (_tf32_state_partition: loads, the copies,
+    the state update) and the output warpgroup (_tf32_output_partition, a
+    worker of WS_REGS registers per thread) run side by side, handing the
+    ring slots and copies over through mbarriers. STAGES must be 2.
     """
     ld_qk: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])   # [T, D] fp32 copies
     ld_v: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])    # [T, BE] fp32 copies
     # v read back 4 tokens per thread, so that v^T is stored in 16-byte pieces
-    ld_vt: gl.constexpr = gl.BlockedLayout([4, 1], [1, 32], [1, 4], [0, 1])   # [T, BE]
-    mma_tt: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, T, 8])
+    # (tile [8, 64]: no warp holds a copy of another's part)
+    ld_vt: gl.constexpr = gl.BlockedLayout([4, 1], [1, 32], [2, 2], [0, 1])   # [T, BE]
     mma_te: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BE, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_te, k_width=1)
@@ -402,6 +500,7 @@ def _gluon_prefill_tf32_kernel(
     sh_v: gl.constexpr = gl.NVMMASharedLayout.get_default_for([T, BE], gl.float32)
     sh_st: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BE, D], gl.float32)
     sh_vt: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BE, T], gl.float32)
+    gl.static_assert(STAGES == 2, "the warp-specialised loop keeps a 2-deep load ring")
 
     (ticket, per_seg, seg, i_bh, i_b, i_h, e0, s, c_lo, c_hi, num_chunks, base_q, base_k, base_v,
      base_o) = _program(sync_ptr, num_heads, num_rows, seq_len, seg_chunks, decay_ptr, stride_decay,
@@ -410,18 +509,9 @@ def _gluon_prefill_tf32_kernel(
 
     q_ring, k_ring, v_ring = _rings(gl.float32, STAGES, T, D, BE, sh_qk, sh_v)
     st_buf = gl.allocate_shared_memory(gl.float32, [1, BE, D], sh_st)
-    vt_buf = gl.allocate_shared_memory(gl.float32, [1, BE, T], sh_vt)
-    if P_SMEM:
-        sh_p: gl.constexpr = gl.NVMMASharedLayout.get_default_for([T, T], gl.float32)
-        p_buf = gl.allocate_shared_memory(gl.float32, [1, T, T], sh_p)
-
+    vt_buf = gl.allocate_shared_memory(gl.float32, [2, BE, T], sh_vt)
     offs_q, offs_k, offs_v = _token_offsets(ld_qk, ld_v, T, D, BE, STRIDE_QT, STRIDE_KT, STRIDE_VT)[:3]
-
-    t_te = gl.arange(0, T, layout=gl.SliceLayout(1, mma_te))
-    q_decay = gl.exp(-s * (t_te + 1).to(gl.float32))
     t_a = gl.arange(0, T, layout=gl.SliceLayout(0, a_op))
-    i_tt = gl.arange(0, T, layout=gl.SliceLayout(1, mma_tt)).to(gl.float32)
-    j_tt = gl.arange(0, T, layout=gl.SliceLayout(0, mma_tt))
     chunk_decay = gl.exp(-s * T)
     s_log2 = -s * 1.4426950408889634  # lambda^x = 2^(x * s_log2)
 
@@ -434,69 +524,22 @@ def _gluon_prefill_tf32_kernel(
                              per_seg, seg, num_segments, sync_ptr, pub_ptr, i_bh, e0, offs_s, T, D, E, BE,
                              STAGES, STRIDE_KT, STRIDE_VT, ld_vt, a_op, mma_te, True)
 
-    _prologue(q_ring, k_ring, v_ring, c_lo, c_hi, base_q, base_k, base_v, offs_q, offs_k, offs_v,
-              T, STAGES, STRIDE_QT, STRIDE_KT, STRIDE_VT, True)
-    zero_tt = gl.zeros([T, T], gl.float32, layout=mma_tt)
-    zero_te = gl.zeros([T, BE], gl.float32, layout=mma_te)
-    for c in range(c_lo, c_hi):
-        if BLOCK_CHUNKS > 0:
-            if c % BLOCK_CHUNKS == 0:
-                gl.store(kv_base + (r_s + (c // BLOCK_CHUNKS) * D)[:, None] * E + c_s[None, :], b_s)
-        # chunk c has landed; once every warp is past the barrier, the slot
-        # chunk c-1 used is free for chunk c+STAGES-1
-        async_copy.wait_group(STAGES - 2)
-        gl.thread_barrier()
-        if c + STAGES - 1 < c_hi:
-            _load_chunk(q_ring, k_ring, v_ring, (c + STAGES - 1) % STAGES, c + STAGES - 1, base_q, base_k,
-                        base_v, offs_q, offs_k, offs_v, T, STRIDE_QT, STRIDE_KT, STRIDE_VT)
-        async_copy.commit_group()
-        slot = c % STAGES
-        # NOTE: `zero` is 0 through an opaque copy. Values derived from it are
-        # rebuilt every chunk instead of being hoisted out of the loop into
-        # registers (ptxas then spilled 236-484 bytes): the wgmma descriptors of
-        # the two transposed buffers, the decay factors of k (16 registers) and
-        # the [T, T] decay mask (32 registers).
-        zero = gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [c], dtype=gl.int32,
-                                         is_pure=False, pack=1)
-        st_smem = st_buf.index(zero)
-        vt_smem = vt_buf.index(zero)
-        q_s = q_ring.index(slot)
-        k_s = k_ring.index(slot)
-        v_s = v_ring.index(slot)
-        vt_smem.store(gl.permute(v_s.load(ld_vt), (1, 0)))
-        st_smem.store(gl.permute(b_s, (1, 0)))
-        b_s = b_s * chunk_decay
-        fence_async_shared()
-        gl.thread_barrier()
-        acc_qs = warpgroup_mma(q_s, st_smem.permute((1, 0)), zero_te, use_acc=False,
-                               is_async=True)
-        acc_qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_tt, use_acc=False,
-                               is_async=True)
-        k_decay = _exp2_ftz((T - 1 - t_a + zero).to(gl.float32) * s_log2)
-        kt = k_s.permute((1, 0)).load(a_op) * k_decay[None, :]
-        acc_s = warpgroup_mma(kt, vt_smem.permute((1, 0)), b_s, is_async=True)
-        if OVERLAP:  # P formed while the state update runs
-            acc_qs, acc_qk = warpgroup_mma_wait(num_outstanding=1, deps=(acc_qs, acc_qk))
-        else:  # the state update completes first, which frees k^T's registers
-            acc_qs, acc_qk, acc_s = warpgroup_mma_wait(num_outstanding=0,
-                                                       deps=(acc_qs, acc_qk, acc_s, kt))[:3]
-        b_o = acc_qs * q_decay[:, None]
-        diff = i_tt[:, None] - (j_tt + zero).to(gl.float32)[None, :]
-        p = gl.where(diff >= 0, acc_qk * _exp2_ftz(diff * s_log2), 0.0)
-        if P_SMEM:
-            p_smem = p_buf.index(zero)
-            p_smem.store(p)
-            fence_async_shared()
-            gl.thread_barrier()
-            p = p_smem
-        else:
-            p = gl.convert_layout(p, a_op)
-        acc_o = warpgroup_mma(p, vt_smem.permute((1, 0)), b_o, is_async=True)
-        if OVERLAP:
-            b_s, acc_o = warpgroup_mma_wait(num_outstanding=0, deps=(acc_s, acc_o, kt, p))[:2]
-        else:
-            acc_o = warpgroup_mma_wait(num_outstanding=0, deps=(acc_o, p))[0]
-            b_s = acc_s
-        gl.store(base_o + (t_te + c * T)[:, None] * E + c_s[None, :], acc_o)
-    async_copy.wait_group(0)
+    # one arrival completes each barrier's phase (see the partitions for who arrives)
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    vt_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ring_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    st_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(2):
+        mbarrier.init(ready.index(j), count=1)
+        mbarrier.init(vt_free.index(j), count=1)
+        mbarrier.init(ring_free.index(j), count=1)
+    mbarrier.init(st_free.index(0), count=1)
+    b_s = gl.warp_specialize([
+        (_tf32_state_partition, (b_s, q_ring, k_ring, v_ring, st_buf, vt_buf, ready, st_free, vt_free,
+                                 ring_free, c_lo, c_hi, kv_base, r_s, c_s, base_q, base_k, base_v, offs_q,
+                                 offs_k, offs_v, s_log2, chunk_decay, T, D, E, BLOCK_CHUNKS, STRIDE_QT,
+                                 STRIDE_KT, STRIDE_VT, ld_vt, a_op)),
+        (_tf32_output_partition, (q_ring, k_ring, st_buf, vt_buf, ready, st_free, vt_free, ring_free, c_lo,
+                                  c_hi, base_o, s_log2, T, E, BE)),
+    ], [4], [WS_REGS])[0]
     _store_final(b_s, kv_base, offs_s, seg, num_segments, num_chunks, D, E, BLOCK_CHUNKS)

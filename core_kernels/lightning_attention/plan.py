@@ -288,19 +288,29 @@ GLUON_STAGES_MANY = {"bfloat16": 2, "float32": 2}
 # hide, and two per SM (the 2-deep ring) were slower at every segment count
 # (results/experiments/exp_lightning_gluon_segment_groups*.json).
 GLUON_SEGMENT_TARGET = 128
-# fp32 kernel (_gluon_prefill_tf32_kernel): wait for the state update before
-# forming P (OVERLAP False) or form P while it runs; hand P to its MMA in
-# registers or through shared memory (P_SMEM). H200, B=1, H=64, N=4096, per-block
-# states: 214.5 / 215.9 (OVERLAP + P_SMEM) / 218.2 (P_SMEM) / 303.3 us (OVERLAP:
-# ptxas spills); the Triton kernel 421.7 us
-# (results/experiments/exp_lightning_gluon_tf32_variants.json).
-# Session 5, measured and not kept (B1 N4096 with states, against 216.6 /
-# 215.4 us in the same runs): the decay mask and k's decays read from shared
-# memory instead of recomputed (25% fewer instructions, no spills, but 221.4 us:
-# 16 KB more shared-memory reads per chunk), and q k^T with q S as one N = 128
-# wgmma over [k; S^T] rows (q read once; 219.1 us, and that prototype's outputs
-# were wrong: not debugged further). Raw: exp_lightning_gluon_{decay_smem,merged}.json.
-GLUON_TF32 = dict(OVERLAP=False, P_SMEM=False)
+# fp32 kernel (_gluon_prefill_tf32_kernel), session 7: warp-specialised. A state
+# warpgroup (loads, the transposed copies of v and S, the state update) and an
+# output warpgroup (q k^T, q S, P v) run side by side, handing ring slots and
+# copies over through mbarriers; v is read back for its transposed copy without
+# the duplicate reads of the earlier layout (whose tile was twice E-tile wide).
+# H200 (copy 4.25 TB/s), single-warpgroup kernel -> warp-specialised ->
+# + the v layout, per-block states / final state only: B=1, H=64, N=4096
+# 216.5/206.0 -> 205.8/194.4 -> 194.5/183.0 us; B=4, H=64, N=1024
+# 223.8/216.0 -> 216.4/203.0 -> 207.9/191.9 us; B=1, H=8, N=65536 629.2/600.5 ->
+# 609.2/584.3 -> 586.2/560.0 us. Same products: per-block states bitwise equal to
+# the single-warpgroup kernel's, outputs within rounding (the q decay is now one
+# ex2.approx). WS_REGS (the output warpgroup's registers) 232 vs 240: within 1%.
+# Measured and not kept (results/experiments/exp_lightning_gluon_tf32_warps8.json,
+# exp_lightning_gluon_tf32_ws*.json): two warpgroups in lockstep (8 warps
+# splitting every product; both read all of q and the whole v^T, P goes through
+# shared memory): 229.1/219.4 us at B1 N4096, slower than one; starting q k^T
+# before the copies of v and S are made (a second ready barrier): with the v
+# layout 191.6/180.1 us at B1 N4096 but 208.6/201.9 at B4 N1024 (vs 207.9/191.9).
+# Earlier single-warpgroup variants (sessions 4-5): P formed while the state
+# update runs, P through shared memory, decays from shared memory, q k^T with q S
+# as one N = 128 wgmma: none faster (exp_lightning_gluon_tf32_variants.json,
+# exp_lightning_gluon_{decay_smem,merged}.json).
+GLUON_TF32 = dict(WS_REGS=240)
 
 
 def _gluon_applies(q, k, v, kv_history, block_size, output_final_state_only,
@@ -361,6 +371,7 @@ def _gluon_plan(q, k, v, ed, kv_history, block_size, output_final_state_only, nu
              HAS_HISTORY=has_hist, SEGMENTED=segmented, ALIGN=align,
              STRIDE_QT=q.strides[2], STRIDE_KT=k.strides[2], STRIDE_VT=v.strides[2],
              **(GLUON_TF32 if fp32 else {})),
+        # fp32: 4 warps compile the kernel; its worker partition adds 4 more at launch
         num_warps=4, num_stages=1)
     return Plan(buffers, (launch,), results)
 

@@ -250,7 +250,8 @@ def plan_lightning_attention(
 # asynchronous wgmma with explicit waits, which Triton 3.6's tl.dot cannot. H200,
 # B=1, H=64, N=4096, per-block states: bf16 99.9 us (1.25x the byte floor; the
 # prototype 101.9) against 126.9 us for kernels.py, final state only 87.0 vs
-# 108.9 us; fp32 (tf32 products) 214.5 vs 421.7 us (benchmarks/RESULTS.md,
+# 108.9 us; fp32 (tf32 products) 214.5 vs 421.7 us, 194.9 us warp-specialised
+# (session 7, see GLUON_TF32) (benchmarks/RESULTS.md,
 # results/experiments/exp_lightning_gluon*.json). Their scope is below;
 # everything else runs kernels.py.
 GLUON_T = 64
@@ -297,9 +298,9 @@ GLUON_SEGMENT_TARGET = 128
 # + the v layout, per-block states / final state only: B=1, H=64, N=4096
 # 216.5/206.0 -> 205.8/194.4 -> 194.5/183.0 us; B=4, H=64, N=1024
 # 223.8/216.0 -> 216.4/203.0 -> 207.9/191.9 us; B=1, H=8, N=65536 629.2/600.5 ->
-# 609.2/584.3 -> 586.2/560.0 us. Same products: per-block states bitwise equal to
-# the single-warpgroup kernel's, outputs within rounding (the q decay is now one
-# ex2.approx). WS_REGS (the output warpgroup's registers) 232 vs 240: within 1%.
+# 609.2/584.3 -> 586.2/560.0 us. Same products: the per-block states' relative
+# difference to the Triton kernel is the single-warpgroup kernel's to every printed
+# digit; outputs agree to rounding (the q decay is now one ex2.approx). WS_REGS (the output warpgroup's registers) 232 vs 240: within 1%.
 # Measured and not kept (results/experiments/exp_lightning_gluon_tf32_warps8.json,
 # exp_lightning_gluon_tf32_ws*.json): two warpgroups in lockstep (8 warps
 # splitting every product; both read all of q and the whole v^T, P goes through

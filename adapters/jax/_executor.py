@@ -95,7 +95,7 @@ def _enable_gluon_kernels(jax_triton) -> None:
     launch_warps = {}  # Gluon kernel name -> warps to launch
 
     def triton_kernel(name, num_warps, *args):
-        return call_lib.TritonKernel(name, launch_warps.get(name, num_warps), *args)
+        return call_lib.TritonKernel(name, launch_warps.pop(name, num_warps), *args)
 
     proxy = types.ModuleType(code_gen.__name__)
     proxy.__dict__.update(vars(code_gen))

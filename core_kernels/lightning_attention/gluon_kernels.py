@@ -53,11 +53,11 @@ def _load_chunk(q_ring, k_ring, v_ring, slot, c, base_q, base_k, base_v, offs_q,
 
 @gluon.jit
 def _prologue(q_ring, k_ring, v_ring, c_lo, c_hi, base_q, base_k, base_v, offs_q, offs_k, offs_v,
-              T: gl.constexpr, STAGES: gl.constexpr, STRIDE_QT: gl.constexpr,
+              T: gl.constexpr, SLOTS: gl.constexpr, STRIDE_QT: gl.constexpr,
               STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr, WITH_Q: gl.constexpr):
-    """Fill the first STAGES-1 ring slots with chunks c_lo, c_lo+1, ... (one commit
+    """Fill the first SLOTS ring slots with chunks c_lo, c_lo+1, ... (one commit
     group per slot, empty past c_hi, so that wait_group counts stay uniform)."""
-    for i in gl.static_range(STAGES - 1):
+    for i in gl.static_range(SLOTS):
         if c_lo + i < c_hi:
             if WITH_Q:
                 _load_chunk(q_ring, k_ring, v_ring, i, c_lo + i, base_q, base_k, base_v, offs_q, offs_k,
@@ -201,7 +201,7 @@ def _segment_sum(k_ring, v_ring, stage_smem, base_k, base_v, offs_k, offs_v, c_l
     (operands contiguous along the contraction): the decayed k^T in registers
     (a_op), v^T staged in stage_smem."""
     _prologue(k_ring, k_ring, v_ring, c_lo, c_hi, base_k, base_k, base_v, offs_k, offs_k, offs_v,
-              T, STAGES, STRIDE_KT, STRIDE_KT, STRIDE_VT, False)
+              T, STAGES - 1, STRIDE_KT, STRIDE_KT, STRIDE_VT, False)
     b_l = gl.zeros([D, BE], gl.float32, layout=mma_te)
     for c in range(c_lo, c_hi):
         if c + STAGES - 1 < c_hi:
@@ -326,7 +326,7 @@ def _gluon_prefill_kernel(
                              mma_te, False)
 
     _prologue(q_ring, k_ring, v_ring, c_lo, c_hi, base_q, base_k, base_v, offs_q, offs_k, offs_v,
-              T, STAGES, STRIDE_QT, STRIDE_KT, STRIDE_VT, True)
+              T, STAGES - 1, STRIDE_QT, STRIDE_KT, STRIDE_VT, True)
     zero_tt = gl.zeros([T, T], gl.float32, layout=mma_tt)
     zero_te = gl.zeros([T, BE], gl.float32, layout=mma_te)
     for c in range(c_lo, c_hi):
@@ -381,11 +381,8 @@ def _tf32_state_partition(b_s, q_ring, k_ring, v_ring, st_buf, vt_buf, ready, st
     warpgroup's products run. Chunk i = c - c_lo; the output warpgroup frees
     st_buf (q S done), ring slot i % 2 (q k^T, q S done) and vt_buf[i % 2] (P v done)."""
     t_a = gl.arange(0, T, layout=gl.SliceLayout(0, a_s))
-    for j in gl.static_range(2):
-        if c_lo + j < c_hi:
-            _load_chunk(q_ring, k_ring, v_ring, j, c_lo + j, base_q, base_k, base_v, offs_q, offs_k,
-                        offs_v, T, STRIDE_QT, STRIDE_KT, STRIDE_VT)
-        async_copy.commit_group()
+    _prologue(q_ring, k_ring, v_ring, c_lo, c_hi, base_q, base_k, base_v, offs_q, offs_k, offs_v,
+              T, 2, STRIDE_QT, STRIDE_KT, STRIDE_VT, True)
     for c in range(c_lo, c_hi):
         i = c - c_lo
         slot = i % 2
@@ -421,15 +418,13 @@ def _tf32_state_partition(b_s, q_ring, k_ring, v_ring, st_buf, vt_buf, ready, st
 
 @gluon.jit
 def _tf32_output_partition(q_ring, k_ring, st_buf, vt_buf, ready, st_free, vt_free, ring_free, c_lo, c_hi,
-                           base_o, s_log2, T: gl.constexpr, E: gl.constexpr, BE: gl.constexpr):
+                           base_o, s_log2, T: gl.constexpr, E: gl.constexpr, BE: gl.constexpr,
+                           mma_te: gl.constexpr, a_op: gl.constexpr):
     """Warp-specialised fp32 prefill, the output warpgroup (a worker partition):
     o = (q k^T * M) v + (q S) * lambda^(i+1) for each chunk, from the operands
     the state warpgroup made (see _tf32_state_partition)."""
     mma_tt: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, T, 8])
-    mma_te: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, BE, 8])
-    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_te, k_width=1)
     t_te = gl.arange(0, T, layout=gl.SliceLayout(1, mma_te))
     c_te = gl.arange(0, BE, layout=gl.SliceLayout(0, mma_te))
     q_decay = _exp2_ftz((t_te + 1).to(gl.float32) * s_log2)
@@ -540,6 +535,6 @@ def _gluon_prefill_tf32_kernel(
                                  offs_k, offs_v, s_log2, chunk_decay, T, D, E, BLOCK_CHUNKS, STRIDE_QT,
                                  STRIDE_KT, STRIDE_VT, ld_vt, a_op)),
         (_tf32_output_partition, (q_ring, k_ring, st_buf, vt_buf, ready, st_free, vt_free, ring_free, c_lo,
-                                  c_hi, base_o, s_log2, T, E, BE)),
+                                  c_hi, base_o, s_log2, T, E, BE, mma_te, a_op)),
     ], [4], [WS_REGS])[0]
     _store_final(b_s, kv_base, offs_s, seg, num_segments, num_chunks, D, E, BLOCK_CHUNKS)

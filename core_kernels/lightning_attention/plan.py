@@ -251,7 +251,7 @@ def plan_lightning_attention(
 # B=1, H=64, N=4096, per-block states: bf16 99.9 us (1.25x the byte floor; the
 # prototype 101.9) against 126.9 us for kernels.py, final state only 87.0 vs
 # 108.9 us; fp32 (tf32 products) 214.5 vs 421.7 us, 194.9 us warp-specialised
-# (session 7, see GLUON_TF32) (benchmarks/RESULTS.md,
+# (session 7, see GLUON_TF32_WS_REGS) (benchmarks/RESULTS.md,
 # results/experiments/exp_lightning_gluon*.json). Their scope is below;
 # everything else runs kernels.py.
 GLUON_T = 64
@@ -311,7 +311,7 @@ GLUON_SEGMENT_TARGET = 128
 # update runs, P through shared memory, decays from shared memory, q k^T with q S
 # as one N = 128 wgmma: none faster (exp_lightning_gluon_tf32_variants.json,
 # exp_lightning_gluon_{decay_smem,merged}.json).
-GLUON_TF32 = dict(WS_REGS=240)
+GLUON_TF32_WS_REGS = 240
 
 
 def _gluon_applies(q, k, v, kv_history, block_size, output_final_state_only,
@@ -371,7 +371,7 @@ def _gluon_plan(q, k, v, ed, kv_history, block_size, output_final_state_only, nu
         dict(T=GLUON_T, D=d, E=e, BE=GLUON_BE, STAGES=stages, BLOCK_CHUNKS=block_chunks,
              HAS_HISTORY=has_hist, SEGMENTED=segmented, ALIGN=align,
              STRIDE_QT=q.strides[2], STRIDE_KT=k.strides[2], STRIDE_VT=v.strides[2],
-             **(GLUON_TF32 if fp32 else {})),
+             **(dict(WS_REGS=GLUON_TF32_WS_REGS) if fp32 else {})),
         # fp32: 4 warps compile the kernel; its worker partition adds 4 more at launch
         num_warps=4, num_stages=1)
     return Plan(buffers, (launch,), results)

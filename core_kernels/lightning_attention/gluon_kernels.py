@@ -54,17 +54,13 @@ def _load_chunk(q_ring, k_ring, v_ring, slot, c, base_q, base_k, base_v, offs_q,
 @gluon.jit
 def _prologue(q_ring, k_ring, v_ring, c_lo, c_hi, base_q, base_k, base_v, offs_q, offs_k, offs_v,
               T: gl.constexpr, SLOTS: gl.constexpr, STRIDE_QT: gl.constexpr,
-              STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr, WITH_Q: gl.constexpr):
+              STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr):
     """Fill the first SLOTS ring slots with chunks c_lo, c_lo+1, ... (one commit
     group per slot, empty past c_hi, so that wait_group counts stay uniform)."""
     for i in gl.static_range(SLOTS):
         if c_lo + i < c_hi:
-            if WITH_Q:
-                _load_chunk(q_ring, k_ring, v_ring, i, c_lo + i, base_q, base_k, base_v, offs_q, offs_k,
-                            offs_v, T, STRIDE_QT, STRIDE_KT, STRIDE_VT)
-            else:
-                _load_kv(k_ring, v_ring, i, c_lo + i, base_k, base_v, offs_k, offs_v, T, STRIDE_KT,
-                         STRIDE_VT)
+            _load_chunk(q_ring, k_ring, v_ring, i, c_lo + i, base_q, base_k, base_v, offs_q, offs_k,
+                        offs_v, T, STRIDE_QT, STRIDE_KT, STRIDE_VT)
         async_copy.commit_group()
 
 
@@ -197,32 +193,40 @@ def _segment_sum(k_ring, v_ring, stage_smem, base_k, base_v, offs_k, offs_v, c_l
                  a_op: gl.constexpr, mma_te: gl.constexpr, TF32: gl.constexpr):
     """sum_t lambda^(c_hi*T-1-t) k_t^T v_t over chunks [c_lo, c_hi), from a zero
     state: a segment's own contribution (k and v only, one product per chunk).
-    bf16: k^T straight from the ring, the decayed v staged in stage_smem; tf32
-    (operands contiguous along the contraction): the decayed k^T in registers
-    (a_op), v^T staged in stage_smem."""
-    _prologue(k_ring, k_ring, v_ring, c_lo, c_hi, base_k, base_k, base_v, offs_k, offs_k, offs_v,
-              T, STAGES - 1, STRIDE_KT, STRIDE_KT, STRIDE_VT, False)
+    The chunks go last to first (iteration i takes chunk c_hi-1-i into ring slot
+    i % STAGES, its decay to the segment's end lambda^(T*i) put on its operand),
+    so that the chunks read last, which the main loop reads first, may still be
+    in L2. bf16: k^T straight from the ring, the decayed v staged in stage_smem;
+    tf32 (operands contiguous along the contraction): the decayed k^T in
+    registers (a_op), v^T staged in stage_smem."""
+    for i in gl.static_range(STAGES - 1):
+        if c_hi - 1 - i >= c_lo:
+            _load_kv(k_ring, v_ring, i, c_hi - 1 - i, base_k, base_v, offs_k, offs_v, T, STRIDE_KT,
+                     STRIDE_VT)
+        async_copy.commit_group()
     b_l = gl.zeros([D, BE], gl.float32, layout=mma_te)
-    for c in range(c_lo, c_hi):
-        if c + STAGES - 1 < c_hi:
-            _load_kv(k_ring, v_ring, (c + STAGES - 1) % STAGES, c + STAGES - 1, base_k, base_v, offs_k,
+    f = chunk_decay * 0.0 + 1.0  # lambda^(T * i)
+    for i in range(0, c_hi - c_lo):
+        if c_hi - STAGES - i >= c_lo:
+            _load_kv(k_ring, v_ring, (i + STAGES - 1) % STAGES, c_hi - STAGES - i, base_k, base_v, offs_k,
                      offs_v, T, STRIDE_KT, STRIDE_VT)
         async_copy.commit_group()
         async_copy.wait_group(STAGES - 1)
         gl.thread_barrier()
-        b_v = v_ring.index(c % STAGES).load(ld_v)
+        dec = k_decay * f
+        f = f * chunk_decay
+        b_v = v_ring.index(i % STAGES).load(ld_v)
         if TF32:
             stage_smem.store(gl.permute(b_v, (1, 0)))
         else:
-            stage_smem.store((b_v.to(gl.float32) * k_decay[:, None]).to(gl.bfloat16))
-        b_l = b_l * chunk_decay
+            stage_smem.store((b_v.to(gl.float32) * dec[:, None]).to(gl.bfloat16))
         fence_async_shared()
         gl.thread_barrier()
         if TF32:
-            kt = k_ring.index(c % STAGES).permute((1, 0)).load(a_op) * k_decay[None, :]
+            kt = k_ring.index(i % STAGES).permute((1, 0)).load(a_op) * dec[None, :]
             b_l = warpgroup_mma(kt, stage_smem.permute((1, 0)), b_l)
         else:
-            b_l = warpgroup_mma(k_ring.index(c % STAGES).permute((1, 0)), stage_smem, b_l)
+            b_l = warpgroup_mma(k_ring.index(i % STAGES).permute((1, 0)), stage_smem, b_l)
     async_copy.wait_group(0)
     gl.thread_barrier()
     return b_l
@@ -326,7 +330,7 @@ def _gluon_prefill_kernel(
                              mma_te, False)
 
     _prologue(q_ring, k_ring, v_ring, c_lo, c_hi, base_q, base_k, base_v, offs_q, offs_k, offs_v,
-              T, STAGES - 1, STRIDE_QT, STRIDE_KT, STRIDE_VT, True)
+              T, STAGES - 1, STRIDE_QT, STRIDE_KT, STRIDE_VT)
     zero_tt = gl.zeros([T, T], gl.float32, layout=mma_tt)
     zero_te = gl.zeros([T, BE], gl.float32, layout=mma_te)
     for c in range(c_lo, c_hi):
@@ -382,7 +386,7 @@ def _tf32_state_partition(b_s, q_ring, k_ring, v_ring, st_buf, vt_buf, ready, st
     st_buf (q S done), ring slot i % 2 (q k^T, q S done) and vt_buf[i % 2] (P v done)."""
     t_a = gl.arange(0, T, layout=gl.SliceLayout(0, a_s))
     _prologue(q_ring, k_ring, v_ring, c_lo, c_hi, base_q, base_k, base_v, offs_q, offs_k, offs_v,
-              T, 2, STRIDE_QT, STRIDE_KT, STRIDE_VT, True)
+              T, 2, STRIDE_QT, STRIDE_KT, STRIDE_VT)
     for c in range(c_lo, c_hi):
         i = c - c_lo
         slot = i % 2

@@ -288,6 +288,20 @@ GLUON_STAGES_MANY = {"bfloat16": 2, "float32": 2}
 # loads, the publishing fence, the hand-over) that one program per SM cannot
 # hide, and two per SM (the 2-deep ring) were slower at every segment count
 # (results/experiments/exp_lightning_gluon_segment_groups*.json).
+# Session 8 (same shape, bf16 / fp32, per-block states / final state only):
+# a segment's own sum now reads its chunks last to first (_segment_sum), so the
+# main loop's first chunks may still be in L2: 279.7 -> 275.2, 257.0 -> 253.3,
+# 561.5 -> 553.5, 538.6 -> 532.1 us (exp_lightning_gluon_head_start.json). With
+# it, 6/8/12/16 segments: bf16 states 343/277/370/288 us, fp32 final
+# 677/537/689/539 us; 8 stays (exp_lightning_gluon_reverse_segments.json).
+# Measured and not kept, a head start (rejected/gluon_head_start.diff): segment
+# 0 half as long, skipping its own sum (its start state is known) and
+# publishing its true end state after its loop, plus one more segment started
+# in the SM it frees, so (P-1)/(P+1/2) of the sequence is re-read instead of
+# (P-1)/P. Bit-identical results, but slower: 291.5 / 261.6 / 572.1 / 543.5 us
+# against 279.7 / 257.0 / 561.5 / 538.6. It saves only ~2% of the bytes (the
+# GPU's bandwidth is shared, so shorter segments do not shorten the others),
+# and the late programs' start and ramp cost more than that.
 GLUON_SEGMENT_TARGET = 128
 # fp32 kernel (_gluon_prefill_tf32_kernel), session 7: warp-specialised. A state
 # warpgroup (loads, the transposed copies of v and S, the state update) and an

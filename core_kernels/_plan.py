@@ -8,11 +8,10 @@ two frameworks can never disagree on grids, scalars or constexprs.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
+import inspect
 import math
-import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -59,32 +58,120 @@ class Scalar:
     """A scalar kernel argument; kind is 'i32', 'i64' or 'fp32'.
 
     A ``str`` value names a runtime value that the adapter supplies at each
-    call (so a plan can be cached while that value changes).
+    call (so a plan can be cached while that value changes). ``align`` names
+    the alignment group (a constexpr of the kernel) of a plan-time integer:
+    see :class:`Launch` and core_kernels._triton_utils.jit.
     """
     value: Any
     kind: str = "i32"
+    align: str | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+def kernel_signature(kernel) -> list:
+    """[(parameter name, is constexpr, never specialised on alignment)] of a
+    @triton.jit / gluon.jit kernel, compiled or interpreted."""
+    fn = kernel.fn
+    no_align = getattr(kernel, "do_not_specialize_on_alignment", None)
+    if no_align is None:  # an InterpretedFunction keeps the decorator's arguments
+        no_align = getattr(kernel, "kwargs", {}).get("do_not_specialize_on_alignment") or ()
+    names = list(inspect.signature(fn).parameters)
+    no_align = {names[i] if isinstance(i, int) else i for i in no_align}
+    return [(n, "constexpr" in str(p.annotation), n in no_align)
+            for n, p in inspect.signature(fn).parameters.items()]
+
+
+ALIGN_MAX = 16  # bytes of the widest vector access; more alignment buys nothing
+
+
+def pow2_divisor(*values: int) -> int:
+    """The largest power of two <= ALIGN_MAX dividing every value (0 divides by any)."""
+    a = ALIGN_MAX
+    while a > 1 and any(int(v) % a for v in values):
+        a //= 2
+    return a
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Launch:
-    """One kernel launch.
+    """One kernel launch, its arguments by the kernel's parameter names.
 
-    The kernel's parameters are ``args`` (buffer names or Scalars, in order),
-    then ``outputs`` (names of buffers this launch writes), then the
-    constexprs. A name in ``outputs`` that also appears in ``args`` is updated
-    in place (the JAX executor aliases it); any other output is written in
-    full by this launch (or was zero-initialised).
+    ``params`` maps every runtime parameter of the kernel to a buffer name
+    (parameters named ``*_ptr``) or a :class:`Scalar`; ``writes`` names the
+    pointer parameters whose buffers the launch writes; ``constexprs`` gives
+    every constexpr parameter. Checked against the kernel's signature here,
+    when the plan is built, so an argument cannot land in the wrong position.
+
+    Integers in an alignment group (``Scalar(v, align=G)``) are passed divided
+    by the group's :func:`pow2_divisor`, which becomes constexpr ``G``.
+
+    The executors read the resolved fields: ``args`` (buffer names or Scalars
+    of the parameters read, in signature order), ``outputs`` (buffer names of
+    the written parameters, which come last: jax-triton passes outputs after
+    every input), and ``constexprs``. A buffer in both ``args`` and ``outputs``
+    is updated in place (the JAX executor aliases it); any other output is
+    written in full by this launch (or was zero-initialised).
     """
     kernel: Any
     grid: tuple[int, ...]
-    args: tuple[Any, ...]
-    outputs: tuple[str, ...]
+    params: dict
+    writes: tuple[str, ...]
     constexprs: dict
     num_warps: int = 4
     num_stages: int = 2
+    args: tuple = dataclasses.field(init=False)
+    outputs: tuple = dataclasses.field(init=False)
 
-    def __hash__(self):  # dict field: hash by identity, plans are cached by key
-        return id(self)
+    def __post_init__(self):
+        name = getattr(getattr(self.kernel, "fn", None), "__name__", repr(self.kernel))
+        sig = kernel_signature(self.kernel)
+        runtime = [n for n, const, _ in sig if not const]
+        consts = {n for n, const, _ in sig if const}
+        params, writes = dict(self.params), tuple(self.writes)
+        unknown = set(params) - set(runtime)
+        missing = [n for n in runtime if n not in params]
+        if unknown or missing:
+            raise TypeError(f"{name}: launch arguments do not match the kernel's runtime parameters "
+                            f"(unknown {sorted(unknown)}, missing {missing})")
+        for n, value in params.items():
+            if n.endswith("_ptr") != isinstance(value, str):
+                raise TypeError(f"{name}: parameter {n} takes "
+                                f"{'a buffer name' if n.endswith('_ptr') else 'a Scalar'}, got {value!r}")
+        for n, _, no_align in sig:
+            if n in params and not n.endswith("_ptr") and not no_align:
+                raise TypeError(f"{name}: integer parameter {n} may be specialised on alignment; "
+                                "decorate the kernel with core_kernels._triton_utils.jit")
+        if set(writes) - {n for n in runtime if n.endswith("_ptr")}:
+            raise TypeError(f"{name}: writes {sorted(set(writes) - set(runtime))} are not pointer parameters")
+        if runtime[len(runtime) - len(writes):] != list(writes):
+            raise TypeError(f"{name}: written parameters {list(writes)} must be the kernel's last "
+                            f"runtime parameters, in order (its runtime parameters: {runtime})")
+        # alignment groups: plan-time integers divided by their group's power of two
+        groups: dict = {}
+        for n, value in params.items():
+            if isinstance(value, Scalar) and value.align is not None:
+                if isinstance(value.value, str):
+                    raise TypeError(f"{name}: runtime value {value.value!r} ({n}) cannot be in an "
+                                    "alignment group")
+                groups.setdefault(value.align, []).append(int(value.value))
+        constexprs = dict(self.constexprs)
+        for g, values in groups.items():
+            if g not in consts or g in constexprs:
+                raise TypeError(f"{name}: alignment group {g} must be a constexpr parameter that the "
+                                "plan does not set itself")
+            constexprs[g] = pow2_divisor(*values)
+        for n, value in params.items():
+            if isinstance(value, Scalar) and value.align is not None:
+                params[n] = Scalar(int(value.value) // constexprs[value.align], value.kind)
+        if set(constexprs) != consts:
+            raise TypeError(f"{name}: constexprs do not match the kernel's (unknown "
+                            f"{sorted(set(constexprs) - consts)}, missing {sorted(consts - set(constexprs))})")
+        n_in = len(runtime) - len(writes)
+        object.__setattr__(self, "args", tuple(params[n] for n in runtime[:n_in]))
+        object.__setattr__(self, "outputs", tuple(params[n] for n in writes))
+        object.__setattr__(self, "params", params)
+        object.__setattr__(self, "writes", writes)
+        object.__setattr__(self, "constexprs", constexprs)
+        object.__setattr__(self, "grid", tuple(int(g) for g in self.grid))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,45 +240,48 @@ def normalize_dtype_name(dtype: Any) -> str:
     return name
 
 
-def interpret_requested() -> bool:
-    """True when the user asked for Triton's interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-# Planner settings forced for a block of code (tests, benchmarks), e.g.
-# prefix_prefill.tile_config. A planner that reads one passes the value into its
-# memoized part; a cache kept above the planners (the torch adapter's
-# planned()) keys on settings_key() so that it never hands out a plan made
-# under other settings.
-_SETTINGS: dict = {}
-
-
-@contextlib.contextmanager
-def forced_setting(name: str, value):
-    """Force planner setting ``name`` (a hashable value) inside the block."""
-    missing = name not in _SETTINGS
-    saved = _SETTINGS.get(name)
-    _SETTINGS[name] = value
-    try:
-        yield
-    finally:
-        if missing:
-            del _SETTINGS[name]
-        else:
-            _SETTINGS[name] = saved
-
-
-def setting(name: str, default=None):
-    """The forced value of planner setting ``name``, or ``default``."""
-    return _SETTINGS.get(name, default)
-
-
-def settings_key() -> tuple:
-    """Every forced setting, for the keys of caches kept above the planners."""
-    return tuple(sorted(_SETTINGS.items())) if _SETTINGS else ()
-
-
 def memoize(fn):
     """Cache a planner on its (hashable) arguments: repeated calls with the
     same shapes cost one dict lookup, which keeps host overhead low."""
     return functools.lru_cache(maxsize=4096)(fn)
+
+
+# ---------------------------------------------------------------- configs
+# A planner chooses a config (a frozen dataclass per kernel variant) from its
+# measured tables; ``config=`` overrides the choice. Config classes register
+# here so that an adapter can carry one through a string (torch.library custom
+# ops take no arbitrary objects).
+CONFIGS: dict = {}
+
+
+def config_class(cls):
+    """Register a frozen dataclass as a config type (decorator)."""
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    CONFIGS[cls.__name__] = cls
+    return cls
+
+
+def encode_config(config) -> str | None:
+    """A config as a string (None stays None); ``decode_config`` inverts it."""
+    if config is None:
+        return None
+    if type(config).__name__ not in CONFIGS or CONFIGS[type(config).__name__] is not type(config):
+        raise TypeError(f"config: expected one of the config types {sorted(CONFIGS)}, "
+                        f"got {type(config).__name__}")
+    return repr((type(config).__name__, dataclasses.astuple(config)))
+
+
+@functools.lru_cache(maxsize=256)
+def decode_config(text: str | None):
+    if text is None:
+        return None
+    import ast
+    name, values = ast.literal_eval(text)
+    return CONFIGS[name](*values)
+
+
+def check_config(config, allowed: tuple) -> None:
+    """``config`` is None or an instance of one of ``allowed`` (clear error otherwise)."""
+    if config is not None and not isinstance(config, allowed):
+        raise TypeError(f"config: expected {' or '.join(c.__name__ for c in allowed)}, "
+                        f"got {type(config).__name__}")

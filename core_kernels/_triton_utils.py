@@ -1,6 +1,38 @@
-"""@triton.jit helpers shared by several ops."""
+"""The package's kernel decorator and @triton.jit helpers shared by several ops."""
+import inspect
+
 import triton
 import triton.language as tl
+
+
+def _runtime_ints(fn):
+    """Every runtime integer parameter: not a constexpr, not a pointer (``*_ptr``)."""
+    return [name for name, p in inspect.signature(fn).parameters.items()
+            if not name.endswith("_ptr") and "constexpr" not in str(p.annotation)]
+
+
+def jit(fn=None, *, gluon: bool = False):
+    """``triton.jit`` (or ``gluon.jit``) with the package's integer policy.
+
+    The policy, the same for both launchers: a runtime integer parameter is
+    never specialised on divisibility by 16 (jax-triton cannot, torch's
+    launcher would), only on being equal to 1 (both do). Kernels compiled from
+    different knowledge differ in code and, through FMA contraction, in the
+    last bit (seen on the H200: torch and JAX decode outputs; JAX loads without
+    16-byte vectors ran 1.2-8x slower). Where the compiler must know a
+    runtime integer's alignment, the plan puts it in an alignment group
+    (``Scalar(value, align="ALIGN")``): the value arrives divided by the
+    group's power of two, which arrives as the constexpr of that name, and the
+    kernel multiplies it back. Values fixed for a model's layout may instead be
+    constexprs. Pointer parameters end in ``_ptr``; the plan's launch check
+    relies on that and on this decorator (see core_kernels._plan.Launch).
+    """
+    def wrap(f):
+        if gluon:
+            from triton.experimental import gluon as gluon_mod
+            return gluon_mod.jit(f, do_not_specialize_on_alignment=_runtime_ints(f))
+        return triton.jit(f, do_not_specialize_on_alignment=_runtime_ints(f))
+    return wrap if fn is None else wrap(fn)
 
 
 @triton.jit

@@ -5,11 +5,12 @@ import jax.numpy as jnp
 
 from core_kernels.merge_attn_states import plan_merge_attn_states
 
-from ._executor import as_array, info, run_plan
+from ._executor import as_array, info, run_plan, target
 
 
 def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
-                      prefill_tokens_with_context=None, output_scale=None, output_dtype=None):
+                      prefill_tokens_with_context=None, output_scale=None, output_dtype=None,
+                      config=None):
     """Merge two partial attention results using their log-sum-exps.
 
     Args:
@@ -22,6 +23,7 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
             fp8 e4m3 = fp8(clamp(value / scale)).
         output_dtype: the output dtype; defaults to the input dtype (fp8 e4m3
             with output_scale).
+        config: optional ``MergeConfig`` overriding the planner's tiling (static).
     Returns:
         (output [N, H, D], output_lse [H, N] float32).
     """
@@ -32,9 +34,10 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
             "prefill_tokens_with_context", prefill_tokens_with_context, jnp.int32)
     if output_scale is not None:
         arrays["output_scale"] = as_array("output_scale", output_scale, jnp.float32)
+    tgt = target(arrays)
     plan = plan_merge_attn_states(
-        info(prefix_output), info(prefix_lse), info(suffix_output), info(suffix_lse),
+        tgt, info(prefix_output), info(prefix_lse), info(suffix_output), info(suffix_lse),
         num_ctx="none" if prefill_tokens_with_context is None else "array",
         has_output_scale=output_scale is not None,
-        output_dtype=None if output_dtype is None else jnp.dtype(output_dtype).name)
-    return run_plan(plan, arrays)
+        output_dtype=None if output_dtype is None else jnp.dtype(output_dtype).name, config=config)
+    return run_plan(plan, arrays, tgt)

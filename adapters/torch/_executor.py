@@ -1,10 +1,14 @@
 """The one generic executor that runs a core_kernels Plan with torch tensors."""
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
 from core_kernels._interpret import interpreted
-from core_kernels._plan import ArrayInfo, Plan, Scalar, interpret_requested, settings_key
+from core_kernels._plan import ArrayInfo, Plan, Scalar
+from core_kernels._target import Target
 
 TORCH_DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -17,6 +21,34 @@ DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 def info(t: torch.Tensor) -> ArrayInfo:
     return ArrayInfo(tuple(t.shape), DTYPE_NAMES.get(t.dtype, str(t.dtype)), tuple(t.stride()))
+
+
+def interpret_requested() -> bool:
+    """True when the user asked for Triton's interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def gluon_available() -> bool:
+    """Gluon kernels launch from torch through Triton itself (no bridge needed)."""
+    try:
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_target(index: int) -> Target:
+    props = torch.cuda.get_device_properties(index)
+    return Target("cuda", props.major * 10 + props.minor, props.multi_processor_count,
+                  gluon=gluon_available())
+
+
+def target_for(device: torch.device) -> Target:
+    """The Target of a torch device: the interpreter for CPU tensors, else the GPU's facts."""
+    if device is None or device.type == "cpu":
+        return Target.interpreter()
+    return _cuda_target(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def check_devices(**tensors) -> torch.device:
@@ -49,7 +81,7 @@ def _meta(t):
 
 
 def planned(planner, tensors: dict, *, check_also: dict | None = None, **options):
-    """(plan, device): ``planner(*ArrayInfos, **options)`` over ``tensors``
+    """(plan, device): ``planner(target, *ArrayInfos, **options)`` over ``tensors``
     (name -> tensor or None, in the planner's positional order), after
     check_devices over them and ``check_also`` (tensors the plan does not take).
 
@@ -62,13 +94,14 @@ def planned(planner, tensors: dict, *, check_also: dict | None = None, **options
     extra = check_also or {}
     try:
         key = (planner, tuple(map(_meta, tensors.values())), tuple(map(_meta, extra.values())),
-               tuple(options.items()), settings_key())
+               tuple(options.items()))
         hit = _PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors / unhashable: the checks below say why
         key, hit = None, None
     if hit is None:
         device = check_devices(**tensors, **extra)
-        plan = planner(*(None if t is None else info(t) for t in tensors.values()), **options)
+        plan = planner(target_for(device), *(None if t is None else info(t) for t in tensors.values()),
+                       **options)
         hit = (plan, device)
         if key is not None:
             if len(_PLANS) >= _PLANS_MAX:

@@ -5,6 +5,7 @@ from typing import Optional
 
 import torch
 
+from core_kernels._plan import decode_config, encode_config
 from core_kernels.merge_attn_states import plan_merge_attn_states
 
 from ._executor import planned, run_plan
@@ -14,14 +15,14 @@ from ._register import custom_op
 def _merge_impl(output: torch.Tensor, prefix_output: torch.Tensor, prefix_lse: torch.Tensor,
                 suffix_output: torch.Tensor, suffix_lse: torch.Tensor,
                 output_lse: Optional[torch.Tensor], prefill_tokens_with_context: Optional[int],
-                output_scale: Optional[torch.Tensor]) -> None:
+                output_scale: Optional[torch.Tensor], config: Optional[str]) -> None:
     plan, device = planned(
         plan_merge_attn_states,
         dict(prefix_output=prefix_output, prefix_lse=prefix_lse, suffix_output=suffix_output,
              suffix_lse=suffix_lse, output=output, output_lse=output_lse),
         check_also=dict(output_scale=output_scale),
         num_ctx="none" if prefill_tokens_with_context is None else "scalar",
-        has_output_scale=output_scale is not None)
+        has_output_scale=output_scale is not None, config=decode_config(config))
     if output_scale is not None and (output_scale.numel() != 1 or output_scale.dtype != torch.float32):
         raise ValueError("output_scale: expected a 1-element float32 tensor, got "
                          f"shape {tuple(output_scale.shape)} dtype {output_scale.dtype}")
@@ -41,7 +42,7 @@ def merge_attn_states(output: torch.Tensor, prefix_output: torch.Tensor, prefix_
                       suffix_output: torch.Tensor, suffix_lse: torch.Tensor,
                       output_lse: Optional[torch.Tensor] = None,
                       prefill_tokens_with_context: Optional[int] = None,
-                      output_scale: Optional[torch.Tensor] = None) -> None:
+                      output_scale: Optional[torch.Tensor] = None, *, config=None) -> None:
     """Merge two partial attention results using their log-sum-exps, in place.
 
     Args:
@@ -56,8 +57,10 @@ def merge_attn_states(output: torch.Tensor, prefix_output: torch.Tensor, prefix_
             (None = N). A new value never recompiles.
         output_scale: optional 1-element float32 tensor; output is
             fp8(clamp(value / scale)).
+        config: optional ``core_kernels.merge_attn_states.MergeConfig`` overriding the
+            tiling the planner would choose.
     Works eagerly, under ``torch.compile(fullgraph=True)`` and in CUDA graphs.
     On a machine without a GPU, CPU tensors run under Triton's interpreter.
     """
     _merge_op(output, prefix_output, prefix_lse, suffix_output, suffix_lse,
-              output_lse, prefill_tokens_with_context, output_scale)
+              output_lse, prefill_tokens_with_context, output_scale, encode_config(config))

@@ -1,33 +1,58 @@
 """Validation and launch plan for merge_attn_states (framework-free)."""
 from __future__ import annotations
 
-import math
+import dataclasses
 
 from .._plan import (FLOAT_DTYPES, FP8_MAX, ITEMSIZE, ArrayInfo, Buffer, Launch, Plan, Scalar,
-                     cdiv, check_dtype, check_inner_contiguous, check_ndim, check_shape,
-                     memoize, next_pow2)
+                     cdiv, check_config, check_dtype, check_inner_contiguous, check_ndim,
+                     check_shape, config_class, memoize, next_pow2)
+from .._target import Target
 from .._triton_utils import FP8_ROUNDING
 from .kernels import _merge_attn_states_kernel
 
 MAX_HEAD_SIZE = 512
+
+
+@config_class
+class MergeConfig:
+    """Tiling of _merge_attn_states_kernel: rows of BLOCK_R (token, head) pairs,
+    about ``tile_elems`` elements per program, ``num_warps`` warps."""
+    tile_elems: int = 2048
+    num_warps: int = 4
+    evict: str = ""  # eviction policy of the loads ("" = default, "evict_first", ...)
+
+
 # NOTE: elements per tile and warps by input itemsize, from the H200 sweep in
 # benchmarks/bench_merge_attn_states.py (16384x32x128): bf16 2048/2w 92.4% of copy
 # bandwidth vs 91.2% for 4096/4w; fp32 2048/8w 98% vs 88% for 4096/8w (run-to-run
 # spread is a few percent). An evict_first hint on the loads cost 5-15% there, so
 # loads use the default policy. A persistent grid-stride loop (grid capped at
 # 8x or 16x the SM count) was no faster for bf16 and is not used.
-TILE_ELEMS = {2: 2048, 4: 2048}
-NUM_WARPS = {2: 2, 4: 8}
+CONFIGS = {2: MergeConfig(2048, 2), 4: MergeConfig(2048, 8)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Problem:
+    n: int
+    h: int
+    d: int
+    in_dtype: str
+    out_dtype: str
+    output: ArrayInfo          # the output's layout (caller's, or the buffer's)
+    output_lse: ArrayInfo | None
+    has_out_lse: bool
+    buffers: dict
+    results: tuple
 
 
 @memoize
 def plan_merge_attn_states(
-    prefix_output: ArrayInfo, prefix_lse: ArrayInfo,
+    target: Target, prefix_output: ArrayInfo, prefix_lse: ArrayInfo,
     suffix_output: ArrayInfo, suffix_lse: ArrayInfo,
     output: ArrayInfo | None = None, output_lse: ArrayInfo | None = None,
     *, want_output_lse: bool = True, num_ctx: str = "none",
     has_output_scale: bool = False, output_dtype: str | None = None,
-    tile_elems: int | None = None, num_warps: int | None = None, evict: str = "",
+    config: MergeConfig | None = None,
 ) -> Plan:
     """Plan the merge of two partial attention states.
 
@@ -37,7 +62,20 @@ def plan_merge_attn_states(
     "scalar" (runtime argument ``prefill_tokens_with_context``, an int) or
     "array" (a 1-element int device array named ``prefill_tokens_with_context``).
     With ``has_output_scale`` a 1-element fp32 array named ``output_scale`` is read.
+    ``config`` overrides the tiling chosen from CONFIGS.
     """
+    check_config(config, (MergeConfig,))
+    problem = _validate(prefix_output, prefix_lse, suffix_output, suffix_lse, output, output_lse,
+                        want_output_lse, num_ctx, has_output_scale, output_dtype)
+    if problem.n == 0 or problem.h == 0:
+        return Plan(problem.buffers, (), problem.results)
+    config = config or CONFIGS[ITEMSIZE[problem.in_dtype]]
+    return Plan(problem.buffers, (_launch(problem, config, prefix_output, prefix_lse, suffix_output,
+                                          suffix_lse, num_ctx, has_output_scale),), problem.results)
+
+
+def _validate(prefix_output, prefix_lse, suffix_output, suffix_lse, output, output_lse,
+              want_output_lse, num_ctx, has_output_scale, output_dtype) -> _Problem:
     check_ndim("prefix_output", prefix_output, 3, "[N, H, D]")
     check_dtype("prefix_output", prefix_output, FLOAT_DTYPES)
     n, h, d = prefix_output.shape
@@ -81,42 +119,42 @@ def plan_merge_attn_states(
         buffers["output_lse"] = Buffer((h, n), "float32")
         output_lse = ArrayInfo.contiguous((h, n), "float32")
     results = ("output", "output_lse") if has_out_lse else ("output",)
-    if n == 0 or h == 0:
-        return Plan(buffers, (), results)
+    return _Problem(n, h, d, prefix_output.dtype, out_dtype, output, output_lse if has_out_lse else None,
+                    has_out_lse, buffers, results)
 
-    block_d = max(16, next_pow2(d))
-    itemsize = ITEMSIZE[prefix_output.dtype]
-    tile_elems = tile_elems or TILE_ELEMS[itemsize]
-    num_warps = num_warps or NUM_WARPS[itemsize]
-    rows = n * h
-    block_r = max(1, min(tile_elems // block_d, next_pow2(rows)))
-    num_ctx_arg = Scalar("prefill_tokens_with_context", "i64") if num_ctx == "scalar" else Scalar(n, "i64")
-    num_ctx_ptr = "prefill_tokens_with_context" if num_ctx == "array" else "prefix_lse"
-    out_scale_ptr = "output_scale" if has_output_scale else "prefix_lse"  # dummy when absent
-    lse_strides = output_lse.strides if has_out_lse else (0, 0)
-    launch = Launch(
+
+def _launch(p: _Problem, config: MergeConfig, prefix_output, prefix_lse, suffix_output, suffix_lse,
+            num_ctx, has_output_scale) -> Launch:
+    block_d = max(16, next_pow2(p.d))
+    rows = p.n * p.h
+    block_r = max(1, min(config.tile_elems // block_d, next_pow2(rows)))
+    lse_strides = p.output_lse.strides if p.has_out_lse else (0, 0)
+    row = lambda x: Scalar(x, align="ROW_ALIGN")  # noqa: E731  16-byte rows when strides allow
+    return Launch(
         kernel=_merge_attn_states_kernel,
         grid=(cdiv(rows, block_r),),
-        args=("prefix_output", "prefix_lse", "suffix_output", "suffix_lse",
-              num_ctx_ptr, out_scale_ptr,
-              Scalar(rows), Scalar(h), num_ctx_arg,
-              *(Scalar(s) for s in prefix_output.strides[:2]),
-              *(Scalar(s) for s in suffix_output.strides[:2]),
-              *(Scalar(s) for s in output.strides[:2]),
-              *(Scalar(s) for s in prefix_lse.strides),
-              *(Scalar(s) for s in suffix_lse.strides),
-              *(Scalar(s) for s in lse_strides)),
-        # without output_lse the kernel never touches its pointer: repeat "output"
-        outputs=("output", "output_lse" if has_out_lse else "output"),
-        constexprs=dict(BLOCK_R=block_r, BLOCK_D=block_d, HEAD_SIZE=d,
-                        ROW_ALIGN=math.gcd(16, *prefix_output.strides[:2], *suffix_output.strides[:2],
-                                           *output.strides[:2]),
-                        EVICT=evict,
-                        NUM_CTX_FROM_PTR=num_ctx == "array", HAS_OUT_LSE=has_out_lse,
+        params=dict(
+            prefix_out_ptr="prefix_output", prefix_lse_ptr="prefix_lse",
+            suffix_out_ptr="suffix_output", suffix_lse_ptr="suffix_lse",
+            num_ctx_ptr="prefill_tokens_with_context" if num_ctx == "array" else "prefix_lse",
+            out_scale_ptr="output_scale" if has_output_scale else "prefix_lse",  # dummy when absent
+            num_rows=Scalar(rows), num_heads=Scalar(p.h),
+            num_ctx_arg=(Scalar("prefill_tokens_with_context", "i64") if num_ctx == "scalar"
+                         else Scalar(p.n, "i64")),
+            stride_po_t=row(prefix_output.strides[0]), stride_po_h=row(prefix_output.strides[1]),
+            stride_so_t=row(suffix_output.strides[0]), stride_so_h=row(suffix_output.strides[1]),
+            stride_o_t=row(p.output.strides[0]), stride_o_h=row(p.output.strides[1]),
+            stride_plse_h=Scalar(prefix_lse.strides[0]), stride_plse_t=Scalar(prefix_lse.strides[1]),
+            stride_slse_h=Scalar(suffix_lse.strides[0]), stride_slse_t=Scalar(suffix_lse.strides[1]),
+            stride_olse_h=Scalar(lse_strides[0]), stride_olse_t=Scalar(lse_strides[1]),
+            # without output_lse the kernel never touches its pointer: repeat "output"
+            out_ptr="output", out_lse_ptr="output_lse" if p.has_out_lse else "output"),
+        writes=("out_ptr", "out_lse_ptr"),
+        constexprs=dict(BLOCK_R=block_r, BLOCK_D=block_d, HEAD_SIZE=p.d, EVICT=config.evict,
+                        NUM_CTX_FROM_PTR=num_ctx == "array", HAS_OUT_LSE=p.has_out_lse,
                         HAS_SCALE=has_output_scale,
-                        FP8_MAX=FP8_MAX.get(out_dtype, 0.0),
+                        FP8_MAX=FP8_MAX.get(p.out_dtype, 0.0),
                         **dict(zip(("FP8_MANT_BITS", "FP8_MIN_NORMAL", "FP8_SUBNORMAL_MAGIC"),
-                                   FP8_ROUNDING.get(out_dtype, (0, 0.0, 0.0))))),
-        num_warps=num_warps, num_stages=1,
+                                   FP8_ROUNDING.get(p.out_dtype, (0, 0.0, 0.0))))),
+        num_warps=config.num_warps, num_stages=1,
     )
-    return Plan(buffers, (launch,), results)

@@ -1,0 +1,183 @@
+"""Digest of the sm_90 code every representative plan compiles to, without a GPU.
+
+    PYTHONPATH=. .venv/bin/python tools/compiled_digest.py [--out FILE] [op ...]
+
+For each case below (default plans of each op at benchmark-like shapes), every
+launch is compiled for sm_90 (tools/offline_compile.py: ints unspecialised, as
+both launchers compile them) and its PTX is digested after stripping debug
+records (``.loc``/``.file`` lines, debug sections, comments), which move with
+source line numbers. Two trees whose digests match compile to the same code,
+so a refactor that keeps every digest cannot change speed or numerics. Works
+on trees whose planners take a ``target`` first argument and on older ones.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import inspect
+import json
+import os
+import re
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, os.getcwd())
+
+from tools.offline_compile import compile_launch  # noqa: E402
+
+from core_kernels._plan import ArrayInfo  # noqa: E402
+
+
+def _ai(shape, dtype, strides=None):
+    info = ArrayInfo.contiguous(shape, dtype)
+    return info if strides is None else ArrayInfo(tuple(shape), dtype, tuple(strides))
+
+
+# device arrays that are not planner parameters (runtime values passed as data)
+_EXTRA_DTYPES = {"prefill_tokens_with_context": "int32", "output_scale": "float32"}
+
+
+def _call(planner, *infos, **options):
+    """(plan, pointer dtypes by buffer name) for the planner's default choices."""
+    sig = inspect.signature(planner)
+    if next(iter(sig.parameters)) == "target":
+        from core_kernels._target import Target
+        infos = (Target("cuda", 90, 132, gluon=True), *infos)
+    plan = planner(*infos, **options)
+    bound = sig.bind(*infos, **options).arguments
+    dtypes = dict(_EXTRA_DTYPES)
+    dtypes.update({k: v.dtype for k, v in bound.items() if isinstance(v, ArrayInfo)})
+    return plan, dtypes
+
+
+def merge_cases():
+    from core_kernels.merge_attn_states import plan_merge_attn_states as p
+    for dt, n, h, d in (("bfloat16", 16384, 32, 128), ("float32", 4096, 32, 128),
+                        ("float16", 64, 32, 128), ("float32", 33, 3, 80)):
+        o, lse = _ai((n, h, d), dt), _ai((h, n), "float32")
+        yield f"merge {dt} {n}x{h}x{d}", _call(p, o, lse, o, lse, o, lse)
+    o, lse = _ai((512, 8, 128), "bfloat16"), _ai((8, 512), "float32")
+    yield "merge fp8 out, scalar ctx", _call(p, o, lse, o, lse, _ai((512, 8, 128), "float8_e4m3fn"),
+                                             None, num_ctx="scalar", has_output_scale=True)
+    yield "merge jax array ctx", _call(p, o, lse, o, lse, num_ctx="array")
+    padded = _ai((512, 8, 128), "bfloat16", (11 * 128, 128, 1))
+    yield "merge padded heads", _call(p, padded, lse, o, lse, o, lse)
+
+
+def prefix_cases():
+    from core_kernels.prefix_prefill import plan_prefix_prefill as p
+    for dt, b, q, ctx, hq, hkv, d in (("bfloat16", 4, 1024, 4096, 32, 8, 128),
+                                      ("float16", 16, 256, 1024, 32, 8, 128),
+                                      ("float32", 2, 128, 256, 8, 2, 64),
+                                      ("float16", 8, 1, 2048, 32, 8, 128)):
+        bs, x = 16, 8 if dt != "float32" else 4
+        t = b * q
+        blocks = b * (ctx + q) // bs + 1
+        args = (_ai((t, hq, d), dt), _ai((t, hkv, d), dt), _ai((t, hkv, d), dt),
+                _ai((blocks, hkv, d // x, bs, x), dt), _ai((blocks, hkv, d, bs), dt),
+                _ai((b, (ctx + q) // bs + 1), "int32"), _ai((b + 1,), "int32"), _ai((b,), "int32"),
+                _ai((t, hq, d), dt))
+        yield f"prefix {dt} B{b} q{q} ctx{ctx}", _call(p, *args, max_input_len=q)
+        yield f"prefix {dt} B{b} q{q} ctx{ctx} alibi+window", _call(
+            p, *args, None, None, _ai((hq,), "float32"), max_input_len=q, sliding_window=512)
+    t, b = 512, 2
+    fp8 = (_ai((t, 32, 128), "bfloat16"), _ai((t, 8, 128), "bfloat16"), _ai((t, 8, 128), "bfloat16"),
+           _ai((600, 8, 8, 16, 16), "uint8"), _ai((600, 8, 128, 16), "uint8"),
+           _ai((b, 300), "int32"), _ai((b + 1,), "int32"), _ai((b,), "int32"), _ai((t, 32, 128), "bfloat16"),
+           _ai((1,), "float32"), _ai((1,), "float32"))
+    yield "prefix fp8 cache", _call(p, *fp8, max_input_len=256, kv_cache_dtype="fp8")
+
+
+def lightning_cases():
+    from core_kernels.lightning_attention import plan_lightning_attention as p
+    from core_kernels.lightning_attention import plan_linear_decode as pd
+    for dt, b, h, n in (("bfloat16", 1, 64, 4096), ("float32", 1, 64, 4096), ("bfloat16", 4, 64, 1024),
+                        ("bfloat16", 1, 8, 65536), ("float32", 1, 8, 65536), ("float16", 1, 64, 4096),
+                        ("float32", 2, 4, 1000), ("bfloat16", 1, 4, 96)):
+        q, ed = _ai((b, h, n, 128), dt), _ai((h,), "float32")
+        for fso in (False, True):
+            yield f"lightning {dt} B{b} H{h} N{n} final_only={fso}", _call(
+                p, q, q, q, ed, output_final_state_only=fso)
+        yield f"lightning {dt} B{b} H{h} N{n} history", _call(
+            p, q, q, q, ed, _ai((b, h, 128, 128), "float32"))
+    q = _ai((2, 3, 50, 48), "float32")
+    yield "lightning odd D/E", _call(p, q, q, _ai((2, 3, 50, 80), "float32"), _ai((3,), "float32"))
+    for dt, b in (("bfloat16", 64), ("float32", 64), ("bfloat16", 1)):
+        q = _ai((b, 64, 1, 128), dt)
+        yield f"decode {dt} B{b}", _call(pd, q, q, q, _ai((b + 8, 64, 128, 128), "float32"),
+                                         _ai((64,), "float32"), _ai((b,), "int64"))
+
+
+def blocksparse_cases():
+    from core_kernels.blocksparse_attention import get_sparse_attn_mask
+    from core_kernels.blocksparse_attention import plan_blocksparse_attention as p
+    hq, hkv, d, bs = 32, 8, 128, 64
+    for dt, b, n, decode in (("bfloat16", 1, 16384, False), ("bfloat16", 4, 4096, False),
+                             ("bfloat16", 1, 16384, True), ("bfloat16", 64, 4096, True),
+                             ("float32", 2, 512, False), ("float16", 2, 512, True)):
+        (crow, col), _ = get_sparse_attn_mask(hq, n, bs, 16, 8, False, None)
+        tk = b * n
+        tq = b if decode else tk
+        yield f"blocksparse {dt} {b}x{n} decode={decode}", _call(
+            p, _ai((tq, hq, d), dt), _ai((tk, hkv, d), dt), _ai((tk, hkv, d), dt), _ai((b + 1,), "int32"),
+            None, _ai(crow.shape, "int32"), _ai(col.shape, "int32"), block_size=bs, max_seqlen=n)
+
+
+CASES = {"merge_attn_states": merge_cases, "prefix_prefill": prefix_cases,
+         "lightning_attention": lightning_cases, "blocksparse_attention": blocksparse_cases}
+
+
+def _strip(ptx: str) -> str:
+    out, skip = [], False
+    for line in ptx.splitlines():
+        s = line.strip()
+        if s.startswith(".section") and ".debug" in s:
+            skip = True
+        if skip:
+            if s == "}":
+                skip = False
+            continue
+        if s.startswith((".loc", ".file", "//", "$L__")) or not s:
+            continue
+        out.append(re.sub(r"//.*", "", line).rstrip())
+    return "\n".join(out)
+
+
+def digest(plan, dtypes) -> list:
+    dtypes = dict(dtypes)
+    for name, buf in plan.buffers.items():
+        dtypes.setdefault(name, buf.dtype)
+    rows = []
+    for launch in plan.launches:
+        c = compile_launch(launch, dtypes)
+        ptx = _strip(c.asm["ptx"])
+        rows.append(f"{launch.kernel.fn.__name__} grid={tuple(launch.grid)} w{launch.num_warps} "
+                    f"s{launch.num_stages} smem={c.metadata.shared} "
+                    f"ptx={hashlib.sha256(ptx.encode()).hexdigest()[:16]}")
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("ops", nargs="*", default=list(CASES))
+    ap.add_argument("--out")
+    ap.add_argument("--dump", help="folder for the stripped PTX of every launch")
+    args = ap.parse_args()
+    result = {}
+    for op in args.ops:
+        for name, (plan, dtypes) in CASES[op]():
+            result[name] = digest(plan, dtypes)
+            print(name, *result[name], sep="\n  ", flush=True)
+            if args.dump:
+                os.makedirs(args.dump, exist_ok=True)
+                for i, launch in enumerate(plan.launches):
+                    dt = dict(dtypes, **{k: b.dtype for k, b in plan.buffers.items()})
+                    ptx = _strip(compile_launch(launch, dt).asm["ptx"])
+                    fname = re.sub(r"[^A-Za-z0-9]+", "_", name) + f"_{i}.ptx"
+                    open(os.path.join(args.dump, fname), "w").write(ptx)
+    if args.out:
+        json.dump(result, open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -19,8 +19,9 @@ from benchmarks.registry import PREFIX_PREFILL_MODEL, PREFIX_PREFILL_SHAPES
 COLUMNS = ["name", "config", "torch_us", "TFLOP/s", "%matmul", "vs_baseline", "jax_us",
            "torch_pipe_us", "jax/torch", "bitwise", "max_err"]
 BASELINE_TFLOPS = 139.0
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, pack GQA heads, prefetch block ids,
-# gather the context into dense scratch first); the default gathers when it pays
+# PrefixPrefillConfig fields (BLOCK_M, BLOCK_N, num_warps, num_stages, pack GQA heads,
+# prefetch block ids, gather the context into dense scratch first); the default
+# gathers when it pays
 SWEEP = [(128, 128, 8, 3, True, 1, False)]  # the paged path, for comparison
 SWEEP_SHAPES = ("B4-q1024-ctx4096-fp16", "B4-q1024-ctx4096-bf16-fp8kv")
 
@@ -69,24 +70,18 @@ def make_inputs(seqs, dtype, opts, seed=0):
 
 
 def configured_call(inp, out, opts, cfg):
-    """The torch call, under ``tile_config(*cfg)`` unless cfg is None."""
-    from core_kernels.prefix_prefill import tile_config
-    base = torch_call(inp, out, opts)
-    if cfg is None:
-        return base
-
-    def call():
-        with tile_config(*cfg):
-            base()
-    return call
+    """The torch call with ``config=PrefixPrefillConfig(*cfg)`` (the plan's own choice
+    when cfg is None)."""
+    from core_kernels.prefix_prefill import PrefixPrefillConfig
+    return torch_call(inp, out, opts, None if cfg is None else PrefixPrefillConfig(*cfg))
 
 
-def torch_call(inp, out, opts):
+def torch_call(inp, out, opts, config=None):
     import adapters.torch as at
     return lambda: at.context_attention_fwd(
         inp["q"], inp["k"], inp["v"], out, opts.get("kv_cache_dtype", "auto"), inp["k_cache"],
         inp["v_cache"], inp["b_loc"], inp["b_start_loc"], inp["b_seq_len"], 0, inp["max_input_len"],
-        inp["k_scale"], inp["v_scale"], sliding_window=opts.get("sliding_window"))
+        inp["k_scale"], inp["v_scale"], sliding_window=opts.get("sliding_window"), config=config)
 
 
 def check_one_sequence(inp, out, opts, seq_index=0, rows=256):

@@ -2,10 +2,11 @@
 
     python3 -m benchmarks.sweep_prefix_prefill   (writes $OUT/sweep_prefix_prefill.json)
 
-Each config is (BLOCK_M, BLOCK_N, num_warps, num_stages, pack GQA, prefetch ids,
-gather): gather True copies the context into dense scratch first, False reads
-the paged cache in the loop. Results are appended as they come, so a run cut
-short still reports what it measured.
+Each config is the fields of PrefixPrefillConfig (BLOCK_M, BLOCK_N, num_warps,
+num_stages, pack GQA, prefetch ids, gather), passed as ``config=``: gather True
+copies the context into dense scratch first, False reads the paged cache in the
+loop. Results are appended as they come, so a run cut short still reports what
+it measured.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ CONFIGS = {
 def main():
     import torch
     from core_kernels.prefix_prefill import plan as pp
-    from adapters.torch._executor import info, run_plan
+    from adapters.torch._executor import info, run_plan, target_for
     from core_kernels._plan import Plan
     out_dir = os.environ.get("OUT", "results")
     os.makedirs(out_dir, exist_ok=True)
@@ -72,7 +73,8 @@ def main():
         if name == "B4-q1024-ctx4096-fp16":  # the gather kernel alone
             try:
                 names = ("q", "k", "v", "k_cache", "v_cache", "b_loc", "b_start_loc", "b_seq_len")
-                plan = pp.plan_prefix_prefill(*(info(inp[n]) for n in names), info(out),
+                plan = pp.plan_prefix_prefill(target_for(out.device),
+                                              *(info(inp[n]) for n in names), info(out),
                                               max_input_len=inp["max_input_len"])
                 g = Plan({n: b for n, b in plan.buffers.items() if "scratch" in n},
                          plan.launches[:1], ())

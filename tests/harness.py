@@ -1,9 +1,11 @@
-"""Shared test base: run any op through either adapter from numpy inputs.
+"""Shared test helpers: run any op through either adapter from numpy inputs.
 
-Every op's test module is parametrized over ``ADAPTERS``; inputs are made in
-numpy, converted to the adapter's arrays on the test device, and results come
-back as numpy, so one test body checks both frameworks against the float64
-reference, and parity tests feed the same inputs to both.
+Each op's test module has one test base class holding every test, written
+once, and one subclass per adapter (``TestTorch(TorchAdapter, <Op>Tests)``,
+``TestJax(JaxAdapter, <Op>Tests)``) that implements the adapter-specific
+calls: numpy inputs in, converted to the adapter's arrays on the test device,
+numpy results out. So one test body checks both frameworks against the
+float64 reference, and parity tests feed the same inputs to both subclasses.
 """
 from __future__ import annotations
 
@@ -105,3 +107,30 @@ def assert_bitwise_equal(a, b, what=""):
     bv = b.view(np.uint8) if b.dtype.itemsize == 1 else b.view(f"u{b.dtype.itemsize}")
     diff = np.argwhere(av != bv)
     assert diff.size == 0, f"{what}: {len(diff)} elements differ bitwise, first at {diff[:3].tolist()}"
+
+
+# ------------------------------------------------------------ test base
+class TorchAdapter:
+    """Mixin for the torch subclass of an op's test base: arrays as torch tensors."""
+    adapter = "torch"
+
+    @staticmethod
+    def array(x):
+        return to_torch(x)
+
+    @staticmethod
+    def numpy(x):
+        return torch_to_numpy(x)
+
+
+class JaxAdapter:
+    """Mixin for the JAX subclass of an op's test base: arrays as JAX arrays."""
+    adapter = "jax"
+
+    @staticmethod
+    def array(x):
+        return to_jax(x)
+
+    @staticmethod
+    def numpy(x):
+        return jax_to_numpy(x)

@@ -1,11 +1,14 @@
 """merge_attn_states: both adapters against the float64 reference (spec: merge_attn_states.md)."""
+import functools
+
 import numpy as np
 import pytest
 import torch
 
-from core_kernels.merge_attn_states import merge_attn_states_reference, plan_merge_attn_states
-from harness import (ADAPTERS, DEVICE, FLOAT_DTYPES, GPU, assert_bitwise_equal, assert_close,
-                     cast, jax_to_numpy, poison_like, requires_gpu, rng, to_jax, to_torch,
+from core_kernels.merge_attn_states import (MergeConfig, merge_attn_states_reference,
+                                            plan_merge_attn_states)
+from harness import (DEVICE, FLOAT_DTYPES, GPU, JaxAdapter, TorchAdapter, assert_bitwise_equal,
+                     assert_close, cast, poison_like, requires_gpu, rng, to_jax, to_torch,
                      torch_to_numpy)
 import adapters.torch as at
 
@@ -19,52 +22,9 @@ def make_inputs(n, h, d, dtype, seed=None, lse_scale=3.0):
     return po, pl, so, sl
 
 
-def run(adapter, po, pl, so, sl, *, ptwc=None, scale=None, with_lse=True, strided=False, jit=False):
-    """Run one adapter on numpy inputs; returns numpy (output, output_lse or None)."""
-    n, h, d = po.shape
-    out_dtype = "float8_e4m3fn" if scale is not None else po.dtype.name
-    if adapter == "torch":
-        if strided:  # differing input strides, transposed LSE views, padded output heads
-            po_t = to_torch(np.concatenate([po, po[:, :1]], axis=1))[:, :h]
-            so_t = to_torch(np.concatenate([so, so[:, :2], so[:, :1]], axis=1))[:, :h]
-            pl_t = to_torch(np.ascontiguousarray(pl.T)).t()
-            sl_t = to_torch(np.ascontiguousarray(sl.T)).t()
-            out = to_torch(poison_like((n, h + 3, d), out_dtype))[:, :h]
-            lse = to_torch(poison_like((n, h), "float32")).t() if with_lse else None
-        else:
-            po_t, so_t, pl_t, sl_t = map(to_torch, (po, so, pl, sl))
-            out = to_torch(poison_like((n, h, d), out_dtype))
-            lse = to_torch(poison_like((h, n), "float32")) if with_lse else None
-        scale_t = None if scale is None else torch.tensor([scale], dtype=torch.float32, device=DEVICE)
-        at.merge_attn_states(out, po_t, pl_t, so_t, sl_t, lse, ptwc, scale_t)
-        return torch_to_numpy(out), None if lse is None else torch_to_numpy(lse)
-    import jax
-    import adapters.jax as aj
-    fn = aj.merge_attn_states
-    kwargs = dict(prefill_tokens_with_context=ptwc, output_scale=scale)
-    if jit:
-        fn = jax.jit(fn)
-        if ptwc is not None:
-            kwargs["prefill_tokens_with_context"] = np.int32(ptwc)
-    out, lse = fn(*map(to_jax, (po, pl, so, sl)), **kwargs)
-    return jax_to_numpy(out), jax_to_numpy(lse)
-
-
 def reference(po, pl, so, sl, ptwc=None, scale=None):
     return merge_attn_states_reference(po.astype(np.float64), pl, so.astype(np.float64), sl,
                                        ptwc, scale)
-
-
-@pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("n,h,d", [(7, 4, 128), (33, 3, 80), (5, 2, 1), (3, 2, 512), (19, 5, 24)],
-                         ids=lambda v: str(v))
-def test_matches_reference(adapter, dtype, n, h, d):
-    po, pl, so, sl = make_inputs(n, h, d, dtype)
-    out, lse = run(adapter, po, pl, so, sl)
-    ref_out, ref_lse = reference(po, pl, so, sl)
-    assert_close(out, ref_out, dtype, "output")
-    assert_close(lse, ref_lse, "float32", "output_lse")
 
 
 def special_inputs(dtype, n=12, h=3, d=40):
@@ -83,143 +43,6 @@ def special_inputs(dtype, n=12, h=3, d=40):
     return po, pl, so, sl
 
 
-@pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-def test_edge_cases(adapter, dtype):
-    po, pl, so, sl = special_inputs(dtype)
-    out, lse = run(adapter, po, pl, so, sl)
-    ref_out, ref_lse = reference(po, pl, so, sl)
-    assert_close(out, ref_out, dtype, "output")
-    assert_close(lse, ref_lse, "float32", "output_lse")
-    assert np.all(np.asarray(out[0, 0], np.float32) == 0) and lse[0, 0] == -np.inf
-    assert np.all(np.asarray(out[1, 1], np.float32) == 0) and lse[1, 1] == -np.inf
-    assert not np.isnan(np.asarray(out[3, 0], np.float32)).any(), "empty prefix's NaN leaked"
-    assert not np.isnan(np.asarray(out[4, 1], np.float32)).any(), "empty suffix's NaN leaked"
-    assert np.isnan(np.asarray(out[5, 2], np.float32)).all() and np.isnan(lse[2, 5])
-    assert np.isnan(np.asarray(out[6, 0], np.float32)).all() and np.isnan(lse[0, 6])
-
-
-@pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("ptwc", [0, 1, 5, 12, 16, 20])
-def test_prefill_tokens_with_context(adapter, ptwc):
-    po, pl, so, sl = special_inputs("float32")
-    sl[2, 9] = np.inf  # copied as is for tokens without context
-    out, lse = run(adapter, po, pl, so, sl, ptwc=ptwc)
-    ref_out, ref_lse = reference(po, pl, so, sl, ptwc)
-    assert_close(out, ref_out, "float32", "output")
-    assert_close(lse, ref_lse, "float32", "output_lse")
-    k = min(ptwc, 12)
-    assert_bitwise_equal(out[k:], so[k:], "suffix passes through bit for bit")
-    assert_bitwise_equal(lse[:, k:], sl[:, k:], "suffix_lse copied as is")
-
-
-def test_jax_jit_traced_and_python_values():
-    import jax
-    import jax.numpy as jnp
-    import adapters.jax as aj
-    po, pl, so, sl = make_inputs(10, 2, 16, "float32")
-    args = list(map(to_jax, (po, pl, so, sl)))
-    f = jax.jit(lambda a, b, c, d, k: aj.merge_attn_states(a, b, c, d, prefill_tokens_with_context=k))
-    for k in (3, 7, 10):
-        out, lse = f(*args, jnp.int32(k))
-        ref_out, ref_lse = reference(po, pl, so, sl, k)
-        assert_close(jax_to_numpy(out), ref_out, "float32", f"traced k={k}")
-    assert f._cache_size() == 1, "a new prefill_tokens_with_context value recompiled"
-    g = jax.jit(lambda a, b, c, d: aj.merge_attn_states(a, b, c, d, prefill_tokens_with_context=4))
-    out, _ = g(*args)
-    assert_close(jax_to_numpy(out), reference(po, pl, so, sl, 4)[0], "float32", "python int under jit")
-
-
-def test_torch_plan_is_reused_across_prefill_values():
-    from adapters.torch import _executor
-    po, pl, so, sl = make_inputs(6, 2, 16, "float32")
-    run("torch", po, pl, so, sl, ptwc=2)
-    before = plan_merge_attn_states.cache_info()
-    cached = dict(_executor._PLANS)
-    run("torch", po, pl, so, sl, ptwc=4)
-    after = plan_merge_attn_states.cache_info()
-    # no new plan: neither the planner nor the adapter-side plan cache made one
-    assert after.misses == before.misses
-    assert cached and _executor._PLANS == cached
-
-
-@pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("ptwc", [None, 6])
-def test_fp8_output(adapter, dtype, ptwc):
-    po, pl, so, sl = make_inputs(9, 3, 48, dtype)
-    po[0, 0, :4] = 1e4  # saturates: clamp before the cast
-    pl[0, 0] = 5.0
-    scale = 0.02
-    out8, lse = run(adapter, po, pl, so, sl, ptwc=ptwc, scale=scale)
-    assert out8.dtype.name == "float8_e4m3fn"
-    ref_out, ref_lse = reference(po, pl, so, sl, ptwc, scale)
-    assert np.all(np.abs(ref_out) <= 448)
-    # one fp8 step is 1/8 relative: compare against the reference rounded to fp8
-    np.testing.assert_allclose(out8.astype(np.float64), cast(ref_out, "float8_e4m3fn").astype(np.float64),
-                               rtol=0.13, atol=2 ** -9)
-    assert_close(lse, ref_lse, "float32", "output_lse")
-    if dtype == "float32":
-        # bit-identical to clamp-then-cast in the framework applied to our own fp32 merge
-        out32, _ = run(adapter, po, pl, so, sl, ptwc=ptwc)
-        if adapter == "torch":
-            t = (torch.from_numpy(out32) / torch.tensor(scale)).clamp(-448, 448).to(torch.float8_e4m3fn)
-            framework = torch_to_numpy(t)
-        else:
-            import jax.numpy as jnp
-            framework = np.asarray(jnp.clip(jnp.asarray(out32) / jnp.float32(scale), -448, 448)
-                                   .astype(jnp.float8_e4m3fn))
-        assert_bitwise_equal(out8, framework, "fp8 output vs framework clamp-then-cast")
-
-
-@pytest.mark.parametrize("with_lse", [True, False])
-def test_torch_strided_and_padded(with_lse):
-    po, pl, so, sl = make_inputs(11, 4, 64, "float16")
-    out, lse = run("torch", po, pl, so, sl, strided=True, with_lse=with_lse, ptwc=8)
-    ref_out, ref_lse = reference(po, pl, so, sl, 8)
-    assert_close(out, ref_out, "float16", "output")
-    if with_lse:
-        assert_close(lse, ref_lse, "float32", "output_lse")
-
-
-def test_torch_misaligned_views_after_aligned():
-    """The same shapes with a pointer off the 16-byte grid must not reuse a
-    kernel compiled for aligned pointers."""
-    po, pl, so, sl = make_inputs(6, 2, 32, "float32")
-    ref_out, _ = reference(po, pl, so, sl, 3)
-    for offset in (0, 1, 0):
-        flat = to_torch(np.concatenate([np.zeros(offset, np.float32), po.ravel()]))
-        po_t = flat[offset:].view(po.shape)
-        out = torch.full(po.shape, float("nan"), device=DEVICE)
-        at.merge_attn_states(out, po_t, *map(to_torch, (pl, so, sl)), prefill_tokens_with_context=3)
-        assert_close(torch_to_numpy(out), ref_out, "float32", f"offset {offset}")
-
-
-def test_torch_padding_heads_untouched():
-    po, pl, so, sl = make_inputs(5, 2, 32, "float32")
-    buf = to_torch(np.full((5, 4, 32), 7.0, np.float32))
-    at.merge_attn_states(buf[:, :2], *map(to_torch, (po, pl, so, sl)))
-    assert torch.all(buf[:, 2:].cpu() == 7.0)
-
-
-@pytest.mark.parametrize("adapter", ADAPTERS)
-def test_empty_batch(adapter):
-    po, pl, so, sl = make_inputs(0, 4, 32, "float32")
-    out, lse = run(adapter, po, pl, so, sl)
-    assert out.shape == (0, 4, 32) and lse.shape == (4, 0)
-
-
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("scale", [None, 0.05])
-def test_torch_and_jax_bitwise_equal(dtype, scale):
-    po, pl, so, sl = special_inputs(dtype, n=21, h=4, d=72)
-    t_out, t_lse = run("torch", po, pl, so, sl, ptwc=15, scale=scale)
-    j_out, j_lse = run("jax", po, pl, so, sl, ptwc=15, scale=scale, jit=True)
-    assert_bitwise_equal(t_out, j_out, "output torch vs jax")
-    assert_bitwise_equal(t_lse, j_lse, "output_lse torch vs jax")
-
-
-# ------------------------------------------------------------------ errors
 def _bad_cases():
     po, pl, so, sl = make_inputs(4, 2, 16, "float32")
     return [
@@ -232,83 +55,293 @@ def _bad_cases():
     ], (po, pl, so, sl)
 
 
-@pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("case", range(6))
-def test_errors_name_the_argument(adapter, case):
-    cases, (po, pl, so, sl) = _bad_cases()
-    name, repl = cases[case]
-    args = {**dict(po=po, pl=pl, so=so, sl=sl), **repl}
-    with pytest.raises((ValueError, TypeError), match=name):
-        if adapter == "torch":
-            p = args["po"]
-            out = torch.empty(p.shape, dtype=torch.float32, device=DEVICE)
-            at.merge_attn_states(out, *(to_torch(args[k]) for k in ("po", "pl", "so", "sl")))
+
+class MergeTests:
+    """Every merge_attn_states test, written once; a subclass per adapter
+    implements ``merge`` (and may add framework-only tests)."""
+
+    def merge(self, po, pl, so, sl, *, ptwc=None, scale=None, with_lse=True, config=None):
+        """numpy inputs -> numpy (output, output_lse or None) through this adapter."""
+        raise NotImplementedError
+
+    def framework_fp8(self, x: np.ndarray, scale: float) -> np.ndarray:
+        """fp8(clamp(x / scale)) computed by the framework itself."""
+        raise NotImplementedError
+
+    @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+    @pytest.mark.parametrize("n,h,d", [(7, 4, 128), (33, 3, 80), (5, 2, 1), (3, 2, 512), (19, 5, 24)],
+                             ids=lambda v: str(v))
+    def test_matches_reference(self, dtype, n, h, d):
+        po, pl, so, sl = make_inputs(n, h, d, dtype)
+        out, lse = self.merge(po, pl, so, sl)
+        ref_out, ref_lse = reference(po, pl, so, sl)
+        assert_close(out, ref_out, dtype, "output")
+        assert_close(lse, ref_lse, "float32", "output_lse")
+
+    @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+    def test_edge_cases(self, dtype):
+        po, pl, so, sl = special_inputs(dtype)
+        out, lse = self.merge(po, pl, so, sl)
+        ref_out, ref_lse = reference(po, pl, so, sl)
+        assert_close(out, ref_out, dtype, "output")
+        assert_close(lse, ref_lse, "float32", "output_lse")
+        assert np.all(np.asarray(out[0, 0], np.float32) == 0) and lse[0, 0] == -np.inf
+        assert np.all(np.asarray(out[1, 1], np.float32) == 0) and lse[1, 1] == -np.inf
+        assert not np.isnan(np.asarray(out[3, 0], np.float32)).any(), "empty prefix's NaN leaked"
+        assert not np.isnan(np.asarray(out[4, 1], np.float32)).any(), "empty suffix's NaN leaked"
+        assert np.isnan(np.asarray(out[5, 2], np.float32)).all() and np.isnan(lse[2, 5])
+        assert np.isnan(np.asarray(out[6, 0], np.float32)).all() and np.isnan(lse[0, 6])
+
+    @pytest.mark.parametrize("ptwc", [0, 1, 5, 12, 16, 20])
+    def test_prefill_tokens_with_context(self, ptwc):
+        po, pl, so, sl = special_inputs("float32")
+        sl[2, 9] = np.inf  # copied as is for tokens without context
+        out, lse = self.merge(po, pl, so, sl, ptwc=ptwc)
+        ref_out, ref_lse = reference(po, pl, so, sl, ptwc)
+        assert_close(out, ref_out, "float32", "output")
+        assert_close(lse, ref_lse, "float32", "output_lse")
+        k = min(ptwc, 12)
+        assert_bitwise_equal(out[k:], so[k:], "suffix passes through bit for bit")
+        assert_bitwise_equal(lse[:, k:], sl[:, k:], "suffix_lse copied as is")
+
+    @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+    @pytest.mark.parametrize("ptwc", [None, 6])
+    def test_fp8_output(self, dtype, ptwc):
+        po, pl, so, sl = make_inputs(9, 3, 48, dtype)
+        po[0, 0, :4] = 1e4  # saturates: clamp before the cast
+        pl[0, 0] = 5.0
+        scale = 0.02
+        out8, lse = self.merge(po, pl, so, sl, ptwc=ptwc, scale=scale)
+        assert out8.dtype.name == "float8_e4m3fn"
+        ref_out, ref_lse = reference(po, pl, so, sl, ptwc, scale)
+        assert np.all(np.abs(ref_out) <= 448)
+        # one fp8 step is 1/8 relative: compare against the reference rounded to fp8
+        np.testing.assert_allclose(out8.astype(np.float64),
+                                   cast(ref_out, "float8_e4m3fn").astype(np.float64),
+                                   rtol=0.13, atol=2 ** -9)
+        assert_close(lse, ref_lse, "float32", "output_lse")
+        if dtype == "float32":
+            # bit-identical to clamp-then-cast in the framework applied to our own fp32 merge
+            out32, _ = self.merge(po, pl, so, sl, ptwc=ptwc)
+            assert_bitwise_equal(out8, self.framework_fp8(out32, scale),
+                                 "fp8 output vs framework clamp-then-cast")
+
+    @pytest.mark.parametrize("config", [MergeConfig(256, 1), MergeConfig(4096, 8)],
+                             ids=["tile256-w1", "tile4096-w8"])
+    def test_config_override(self, config):
+        """Any tiling gives the same bits as the measured default."""
+        po, pl, so, sl = make_inputs(37, 3, 72, "float32")
+        default = self.merge(po, pl, so, sl, ptwc=20)
+        forced = self.merge(po, pl, so, sl, ptwc=20, config=config)
+        assert_bitwise_equal(forced[0], default[0], "output")
+        assert_bitwise_equal(forced[1], default[1], "output_lse")
+
+    def test_config_of_another_op_is_refused(self):
+        po, pl, so, sl = make_inputs(4, 2, 16, "float32")
+        with pytest.raises(TypeError, match="config"):
+            self.merge(po, pl, so, sl, config=("tile", 2048))
+
+    def test_empty_batch(self):
+        po, pl, so, sl = make_inputs(0, 4, 32, "float32")
+        out, lse = self.merge(po, pl, so, sl)
+        assert out.shape == (0, 4, 32) and lse.shape == (4, 0)
+
+    @pytest.mark.parametrize("case", range(6))
+    def test_errors_name_the_argument(self, case):
+        cases, (po, pl, so, sl) = _bad_cases()
+        name, repl = cases[case]
+        args = {**dict(po=po, pl=pl, so=so, sl=sl), **repl}
+        with pytest.raises((ValueError, TypeError), match=name):
+            self.merge(*(args[k] for k in ("po", "pl", "so", "sl")))
+
+
+class TestTorch(TorchAdapter, MergeTests):
+    def merge(self, po, pl, so, sl, *, ptwc=None, scale=None, with_lse=True, config=None,
+              strided=False):
+        n, h, d = po.shape
+        out_dtype = "float8_e4m3fn" if scale is not None else po.dtype.name
+        if out_dtype.startswith("int"):
+            out_dtype = "float32"
+        if strided:  # differing input strides, transposed LSE views, padded output heads
+            po_t = to_torch(np.concatenate([po, po[:, :1]], axis=1))[:, :h]
+            so_t = to_torch(np.concatenate([so, so[:, :2], so[:, :1]], axis=1))[:, :h]
+            pl_t = to_torch(np.ascontiguousarray(pl.T)).t()
+            sl_t = to_torch(np.ascontiguousarray(sl.T)).t()
+            out = to_torch(poison_like((n, h + 3, d), out_dtype))[:, :h]
+            lse = to_torch(poison_like((n, h), "float32")).t() if with_lse else None
         else:
-            import adapters.jax as aj
-            aj.merge_attn_states(*(to_jax(args[k]) for k in ("po", "pl", "so", "sl")))
+            po_t, so_t, pl_t, sl_t = map(to_torch, (po, so, pl, sl))
+            out = to_torch(poison_like((n, h, d), out_dtype))
+            lse = to_torch(poison_like((h, n), "float32")) if with_lse else None
+        scale_t = None if scale is None else torch.tensor([scale], dtype=torch.float32, device=DEVICE)
+        at.merge_attn_states(out, po_t, pl_t, so_t, sl_t, lse, ptwc, scale_t, config=config)
+        return torch_to_numpy(out), None if lse is None else torch_to_numpy(lse)
+
+    def framework_fp8(self, x, scale):
+        t = (torch.from_numpy(x) / torch.tensor(scale)).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return torch_to_numpy(t)
+
+    def test_plan_is_reused_across_prefill_values(self):
+        from adapters.torch import _executor
+        po, pl, so, sl = make_inputs(6, 2, 16, "float32")
+        self.merge(po, pl, so, sl, ptwc=2)
+        before = plan_merge_attn_states.cache_info()
+        cached = dict(_executor._PLANS)
+        self.merge(po, pl, so, sl, ptwc=4)
+        after = plan_merge_attn_states.cache_info()
+        # no new plan: neither the planner nor the adapter-side plan cache made one
+        assert after.misses == before.misses
+        assert cached and _executor._PLANS == cached
+
+    @pytest.mark.parametrize("with_lse", [True, False])
+    def test_strided_and_padded(self, with_lse):
+        po, pl, so, sl = make_inputs(11, 4, 64, "float16")
+        out, lse = self.merge(po, pl, so, sl, strided=True, with_lse=with_lse, ptwc=8)
+        ref_out, ref_lse = reference(po, pl, so, sl, 8)
+        assert_close(out, ref_out, "float16", "output")
+        if with_lse:
+            assert_close(lse, ref_lse, "float32", "output_lse")
+
+    def test_misaligned_views_after_aligned(self):
+        """The same shapes with a pointer off the 16-byte grid must not reuse a
+        kernel compiled for aligned pointers."""
+        po, pl, so, sl = make_inputs(6, 2, 32, "float32")
+        ref_out, _ = reference(po, pl, so, sl, 3)
+        for offset in (0, 1, 0):
+            flat = to_torch(np.concatenate([np.zeros(offset, np.float32), po.ravel()]))
+            po_t = flat[offset:].view(po.shape)
+            out = torch.full(po.shape, float("nan"), device=DEVICE)
+            at.merge_attn_states(out, po_t, *map(to_torch, (pl, so, sl)), prefill_tokens_with_context=3)
+            assert_close(torch_to_numpy(out), ref_out, "float32", f"offset {offset}")
+
+    def test_padding_heads_untouched(self):
+        po, pl, so, sl = make_inputs(5, 2, 32, "float32")
+        buf = to_torch(np.full((5, 4, 32), 7.0, np.float32))
+        at.merge_attn_states(buf[:, :2], *map(to_torch, (po, pl, so, sl)))
+        assert torch.all(buf[:, 2:].cpu() == 7.0)
+
+    def test_errors(self):
+        po, pl, so, sl = map(to_torch, make_inputs(4, 2, 16, "float32"))
+        with pytest.raises(ValueError, match="output_scale"):
+            at.merge_attn_states(torch.empty(4, 2, 16, dtype=torch.float8_e4m3fn, device=DEVICE), po, pl, so, sl)
+        with pytest.raises(TypeError, match="output"):
+            at.merge_attn_states(torch.empty(4, 2, 16, dtype=torch.float16, device=DEVICE), po, pl, so, sl)
+        with pytest.raises(ValueError, match="output_scale"):
+            at.merge_attn_states(torch.empty(4, 2, 16, dtype=torch.float8_e4m3fn, device=DEVICE), po, pl, so, sl,
+                                 output_scale=torch.tensor([1.0, 2.0], device=DEVICE))
+        with pytest.raises(ValueError, match="innermost"):
+            big = torch.randn(4, 2, 32, device=DEVICE)
+            at.merge_attn_states(torch.empty(4, 2, 16, device=DEVICE), big[..., ::2], pl, big[..., ::2], sl)
+        with pytest.raises(ValueError, match="output_lse"):
+            at.merge_attn_states(torch.empty(4, 2, 16, device=DEVICE), po, pl, so, sl,
+                                 output_lse=torch.empty(4, 2, device=DEVICE))
+        with pytest.raises(ValueError, match="suffix_lse.*one device"):
+            at.merge_attn_states(torch.empty(4, 2, 16, device=DEVICE), po, pl, so, sl.to("meta"))
+
+    def test_compile_fullgraph(self):
+        po, pl, so, sl = make_inputs(8, 2, 32, "float32")
+        args = list(map(to_torch, (po, pl, so, sl)))
+
+        def f(a, b, c, d):
+            out = torch.empty_like(a)
+            lse = torch.empty_like(b)
+            at.merge_attn_states(out, a, b, c, d, lse, 5)
+            return out * 2, lse
+
+        backend = "inductor" if GPU else "aot_eager"  # CPU: no compiler needed for the opaque op
+        out, lse = torch.compile(f, fullgraph=True, backend=backend)(*args)
+        ref_out, ref_lse = reference(po, pl, so, sl, 5)
+        assert_close(torch_to_numpy(out), 2 * ref_out, "float32", "compiled output")
+        assert_close(torch_to_numpy(lse), ref_lse, "float32", "compiled lse")
+
+    def test_config_under_compile(self):
+        """config= reaches the planner through the custom op (as a string)."""
+        po, pl, so, sl = make_inputs(8, 2, 32, "float32")
+        args = list(map(to_torch, (po, pl, so, sl)))
+        config = MergeConfig(128, 1)
+
+        def f(a, b, c, d):
+            out = torch.empty_like(a)
+            at.merge_attn_states(out, a, b, c, d, None, 5, config=config)
+            return out
+
+        backend = "inductor" if GPU else "aot_eager"
+        before = plan_merge_attn_states.cache_info().misses
+        out = torch.compile(f, fullgraph=True, backend=backend)(*args)
+        assert plan_merge_attn_states.cache_info().misses > before, "the config made no plan of its own"
+        assert_close(torch_to_numpy(out), reference(po, pl, so, sl, 5)[0], "float32", "compiled output")
+
+    @requires_gpu
+    def test_cuda_graph_replay(self):
+        po, pl, so, sl = make_inputs(64, 8, 128, "bfloat16")
+        args = list(map(to_torch, (po, pl, so, sl)))
+        out = torch.empty_like(args[0])
+        lse = torch.empty_like(args[1])
+        at.merge_attn_states(out, *args, output_lse=lse)  # warm-up compiles outside capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            at.merge_attn_states(out, *args, output_lse=lse)
+        po2, pl2, so2, sl2 = make_inputs(64, 8, 128, "bfloat16")
+        for dst, src in zip(args, (po2, pl2, so2, sl2)):
+            dst.copy_(to_torch(src))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert_close(torch_to_numpy(out), reference(po2, pl2, so2, sl2)[0], "bfloat16", "graph replay")
 
 
-def test_torch_errors():
-    po, pl, so, sl = map(to_torch, make_inputs(4, 2, 16, "float32"))
-    with pytest.raises(ValueError, match="output_scale"):
-        at.merge_attn_states(torch.empty(4, 2, 16, dtype=torch.float8_e4m3fn, device=DEVICE), po, pl, so, sl)
-    with pytest.raises(TypeError, match="output"):
-        at.merge_attn_states(torch.empty(4, 2, 16, dtype=torch.float16, device=DEVICE), po, pl, so, sl)
-    with pytest.raises(ValueError, match="output_scale"):
-        at.merge_attn_states(torch.empty(4, 2, 16, dtype=torch.float8_e4m3fn, device=DEVICE), po, pl, so, sl,
-                             output_scale=torch.tensor([1.0, 2.0], device=DEVICE))
-    with pytest.raises(ValueError, match="innermost"):
-        big = torch.randn(4, 2, 32, device=DEVICE)
-        at.merge_attn_states(torch.empty(4, 2, 16, device=DEVICE), big[..., ::2], pl, big[..., ::2], sl)
-    with pytest.raises(ValueError, match="output_lse"):
-        at.merge_attn_states(torch.empty(4, 2, 16, device=DEVICE), po, pl, so, sl,
-                             output_lse=torch.empty(4, 2, device=DEVICE))
-    with pytest.raises(ValueError, match="suffix_lse.*one device"):
-        at.merge_attn_states(torch.empty(4, 2, 16, device=DEVICE), po, pl, so, sl.to("meta"))
+class TestJax(JaxAdapter, MergeTests):
+    def merge(self, po, pl, so, sl, *, ptwc=None, scale=None, with_lse=True, config=None, jit=False):
+        import jax
+        import adapters.jax as aj
+        fn = functools.partial(aj.merge_attn_states, config=config)
+        kwargs = dict(prefill_tokens_with_context=ptwc, output_scale=scale)
+        if jit:
+            fn = jax.jit(fn)
+            if ptwc is not None:
+                kwargs["prefill_tokens_with_context"] = np.int32(ptwc)
+        out, lse = fn(*map(to_jax, (po, pl, so, sl)), **kwargs)
+        return np.asarray(out), np.asarray(lse)
+
+    def framework_fp8(self, x, scale):
+        import jax.numpy as jnp
+        return np.asarray(jnp.clip(jnp.asarray(x) / jnp.float32(scale), -448, 448)
+                          .astype(jnp.float8_e4m3fn))
+
+    def test_jit_traced_and_python_values(self):
+        import jax
+        import jax.numpy as jnp
+        import adapters.jax as aj
+        po, pl, so, sl = make_inputs(10, 2, 16, "float32")
+        args = list(map(to_jax, (po, pl, so, sl)))
+        f = jax.jit(lambda a, b, c, d, k: aj.merge_attn_states(a, b, c, d, prefill_tokens_with_context=k))
+        for k in (3, 7, 10):
+            out, lse = f(*args, jnp.int32(k))
+            ref_out, ref_lse = reference(po, pl, so, sl, k)
+            assert_close(self.numpy(out), ref_out, "float32", f"traced k={k}")
+        assert f._cache_size() == 1, "a new prefill_tokens_with_context value recompiled"
+        g = jax.jit(lambda a, b, c, d: aj.merge_attn_states(a, b, c, d, prefill_tokens_with_context=4))
+        out, _ = g(*args)
+        assert_close(self.numpy(out), reference(po, pl, so, sl, 4)[0], "float32", "python int under jit")
+
+    def test_errors(self):
+        import adapters.jax as aj
+        po, pl, so, sl = map(to_jax, make_inputs(4, 2, 16, "float32"))
+        with pytest.raises(TypeError, match="output"):
+            aj.merge_attn_states(po, pl, so, sl, output_dtype="float16")
+        with pytest.raises(ValueError, match="output_scale"):
+            aj.merge_attn_states(po, pl, so, sl, output_scale=[1.0, 2.0])
+        with pytest.raises(ValueError, match="output_scale"):
+            aj.merge_attn_states(po, pl, so, sl, output_dtype="float8_e4m3fn")
 
 
-def test_jax_errors():
-    import adapters.jax as aj
-    po, pl, so, sl = map(to_jax, make_inputs(4, 2, 16, "float32"))
-    with pytest.raises(TypeError, match="output"):
-        aj.merge_attn_states(po, pl, so, sl, output_dtype="float16")
-    with pytest.raises(ValueError, match="output_scale"):
-        aj.merge_attn_states(po, pl, so, sl, output_scale=[1.0, 2.0])
-    with pytest.raises(ValueError, match="output_scale"):
-        aj.merge_attn_states(po, pl, so, sl, output_dtype="float8_e4m3fn")
 
 
-def test_torch_compile_fullgraph():
-    po, pl, so, sl = make_inputs(8, 2, 32, "float32")
-    args = list(map(to_torch, (po, pl, so, sl)))
-
-    def f(a, b, c, d):
-        out = torch.empty_like(a)
-        lse = torch.empty_like(b)
-        at.merge_attn_states(out, a, b, c, d, lse, 5)
-        return out * 2, lse
-
-    backend = "inductor" if GPU else "aot_eager"  # CPU: no compiler needed for the opaque op
-    out, lse = torch.compile(f, fullgraph=True, backend=backend)(*args)
-    ref_out, ref_lse = reference(po, pl, so, sl, 5)
-    assert_close(torch_to_numpy(out), 2 * ref_out, "float32", "compiled output")
-    assert_close(torch_to_numpy(lse), ref_lse, "float32", "compiled lse")
-
-
-@requires_gpu
-def test_cuda_graph_replay():
-    po, pl, so, sl = make_inputs(64, 8, 128, "bfloat16")
-    args = list(map(to_torch, (po, pl, so, sl)))
-    out = torch.empty_like(args[0])
-    lse = torch.empty_like(args[1])
-    at.merge_attn_states(out, *args, output_lse=lse)  # warm-up compiles outside capture
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        at.merge_attn_states(out, *args, output_lse=lse)
-    po2, pl2, so2, sl2 = make_inputs(64, 8, 128, "bfloat16")
-    for dst, src in zip(args, (po2, pl2, so2, sl2)):
-        dst.copy_(to_torch(src))
-    out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
-    assert_close(torch_to_numpy(out), reference(po2, pl2, so2, sl2)[0], "bfloat16", "graph replay")
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("scale", [None, 0.05])
+def test_torch_and_jax_bitwise_equal(dtype, scale):
+    po, pl, so, sl = special_inputs(dtype, n=21, h=4, d=72)
+    t_out, t_lse = TestTorch().merge(po, pl, so, sl, ptwc=15, scale=scale)
+    j_out, j_lse = TestJax().merge(po, pl, so, sl, ptwc=15, scale=scale, jit=True)
+    assert_bitwise_equal(t_out, j_out, "output torch vs jax")
+    assert_bitwise_equal(t_lse, j_lse, "output_lse torch vs jax")

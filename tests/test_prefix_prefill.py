@@ -1,14 +1,19 @@
 """context_attention_fwd: both adapters against the float64 reference (spec: prefix_prefill.md)."""
+import dataclasses
 import functools
 
 import numpy as np
 import pytest
 import torch
 
-from core_kernels.prefix_prefill import context_attention_reference, tile_config
-from harness import (ADAPTERS, DEVICE, FLOAT_DTYPES, GPU, TOL, assert_bitwise_equal,
-                     assert_close, cast, jax_to_numpy, np_dtype, poison_like, requires_gpu, rng,
-                     to_jax, to_torch, torch_to_numpy)
+from core_kernels._plan import ArrayInfo
+from core_kernels._target import Target
+from core_kernels.prefix_prefill import (PrefixPrefillConfig, context_attention_reference,
+                                         plan_prefix_prefill)
+from core_kernels.prefix_prefill.plan import TILE_CONFIGS
+from harness import (DEVICE, FLOAT_DTYPES, GPU, TOL, JaxAdapter, TorchAdapter,
+                     assert_bitwise_equal, assert_close, cast, jax_to_numpy, np_dtype, poison_like,
+                     requires_gpu, rng, to_jax, to_torch, torch_to_numpy)
 import adapters.torch as at
 
 GARBAGE_ID = 1 << 30  # an unused block-table slot: reading it would fault or read junk
@@ -70,40 +75,13 @@ def make_case(seqs, hq=4, hkv=2, d=32, bs=16, x=8, dtype="float32", cache_fp8=No
                 b_seq_len=(qlens + ctxs).astype(table_dtype), max_input_len=int(qlens.max()))
 
 
+
 ARRAYS = ("q", "k", "v", "k_cache", "v_cache", "b_loc", "b_start_loc", "b_seq_len")
-
-
-def run(adapter, case, *, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, alibi_slopes=None,
-        sliding_window=None, sm_scale=None, skip_decode=False, fp8_out_scale=None, sinks=None,
-        output=None, jit=False, max_input_len=None):
-    """Run one adapter on a case; returns the numpy output."""
-    out_dtype = "float8_e4m3fn" if fp8_out_scale is not None else case["q"].dtype.name
-    mil = case["max_input_len"] if max_input_len is None else max_input_len
-    if adapter == "torch":
-        o = to_torch(poison_like(case["q"].shape, out_dtype) if output is None else output)
-        scl = lambda s: None if s is None else torch.tensor([s], dtype=torch.float32, device=DEVICE)
-        at.context_attention_fwd(
-            *(to_torch(case[n]) for n in ARRAYS[:3]), o, kv_cache_dtype,
-            *(to_torch(case[n]) for n in ARRAYS[3:]), 0, mil, scl(k_scale), scl(v_scale),
-            None if alibi_slopes is None else to_torch(alibi_slopes), sliding_window, sm_scale,
-            skip_decode, scl(fp8_out_scale), None if sinks is None else to_torch(sinks))
-        return torch_to_numpy(o)
-    import jax
-    import adapters.jax as aj
-    fn = functools.partial(aj.context_attention_fwd, max_input_len=max_input_len,
-                           kv_cache_dtype=kv_cache_dtype, sliding_window=sliding_window,
-                           sm_scale=sm_scale, skip_decode=skip_decode)
-    if jit:
-        fn = jax.jit(fn)
-    kw = dict(k_scale=np.float32(k_scale), v_scale=np.float32(v_scale),
-              alibi_slopes=alibi_slopes, sinks=sinks, output=output,
-              fp8_out_scale=None if fp8_out_scale is None else np.float32(fp8_out_scale))
-    kw = {n: to_jax(a) for n, a in kw.items() if a is not None}
-    return jax_to_numpy(fn(*(to_jax(case[n]) for n in ARRAYS), **kw))
 
 
 def reference(case, *, kv_cache_dtype="auto", output=None, **opts):
     opts.pop("fp8_out_scale", None)
+    opts.pop("config", None)
     return context_attention_reference(*(case[n] for n in ARRAYS), kv_cache_dtype=kv_cache_dtype,
                                        output=output, **opts)
 
@@ -118,6 +96,21 @@ def check(out, ref, dtype, what, scale=1.0):
     assert_close(out, ref, tolerance_dtype(dtype), what, scale=scale)
 
 
+def plan_for(case, target, *, output=True, kv_cache_dtype="auto", k_scale=None, v_scale=None,
+             alibi_slopes=None, sinks=None, fp8_out_scale=None, **opts):
+    """The plan an adapter makes for a numpy case (contiguous layouts) on ``target``."""
+    infos = [ArrayInfo.contiguous(case[n].shape, case[n].dtype.name) for n in ARRAYS]
+    out_dtype = "float8_e4m3fn" if fp8_out_scale is not None else case["q"].dtype.name
+    scalar = lambda x: None if x is None else ArrayInfo.contiguous((1,), "float32")  # noqa: E731
+    vec = lambda x: None if x is None else ArrayInfo.contiguous(x.shape, x.dtype.name)  # noqa: E731
+    fp8 = kv_cache_dtype != "auto" or case["k_cache"].dtype.name.startswith("float8")
+    return plan_prefix_prefill(
+        target, *infos, ArrayInfo.contiguous(case["q"].shape, out_dtype) if output else None,
+        scalar(k_scale if fp8 else None), scalar(v_scale if fp8 else None), vec(alibi_slopes),
+        vec(sinks), scalar(fp8_out_scale), max_input_len=case["max_input_len"],
+        kv_cache_dtype=kv_cache_dtype, **opts)
+
+
 # (seqs, hq, hkv, d, block_size, x): GQA / MQA / MHA, odd head sizes, odd block sizes,
 # context 0, decode rows, a context shorter than one block.
 SHAPES = {
@@ -129,73 +122,6 @@ SHAPES = {
     "d192-bs32": ([(11, 45)], 2, 1, 192, 32, 8),
     "d256-bs16-x16": ([(10, 20), (1, 3)], 2, 2, 256, 16, 16),
 }
-
-
-@pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_matches_reference(adapter, dtype, shape):
-    seqs, hq, hkv, d, bs, x = SHAPES[shape]
-    case = make_case(seqs, hq, hkv, d, bs, x, dtype)
-    check(run(adapter, case), reference(case), dtype, shape)
-
-
-@pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("tiles", [(16, 16), (32, 16, 4, 2, False, 0), (16, 32, 4, 2, False, 2, False),
-                                   (64, 32, 4, 2, True, 2, False), (32, 32, 4, 2, True, 0, True)],
-                         ids=str)
-def test_small_tiles_full_and_masked_runs(adapter, tiles):
-    """Small tiles so every run (masked / full, cache / new keys) has several tiles."""
-    case = make_case([(70, 90), (37, 0), (1, 33), (48, 16)], 4, 1, 32, 16, 8, "float32",
-                     table_dtype="int64")
-    with tile_config(*tiles):
-        check(run(adapter, case), reference(case), "float32", f"tiles {tiles}")
-        w = 23
-        case = make_case([(70, 90), (37, 0), (1, 33), (48, 16)], 4, 1, 32, 16, 8, "float32",
-                         window=w)
-        check(run(adapter, case, sliding_window=w), reference(case, sliding_window=w),
-              "float32", f"tiles {tiles} window")
-
-
-@pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("gather", [False, True])
-def test_context_gathered_or_paged(adapter, gather):
-    """Both ways of reading the context (dense scratch copy / paged loads in the
-    loop) with odd shapes, fp8 (uint8) cache, window and skip_decode."""
-    g = rng()
-    for shape in ("mqa-d24-bs48", "gqa-d96-bs544-x4"):
-        seqs, hq, hkv, d, bs, x = SHAPES[shape]
-        case = make_case(seqs, hq, hkv, d, bs, x, "float32")
-        with tile_config(16, 16, 4, 2, True, 1, gather):
-            check(run(adapter, case), reference(case), "float32", f"{shape} gather={gather}")
-    w = 29
-    case = make_case([(21, 50), (1, 20), (9, 0), (17, 33)], 4, 2, 32, 16, 8, "float16",
-                     cache_fp8="float8_e4m3fn", as_uint8=True, window=w)
-    keep = g.standard_normal(case["q"].shape).astype(np.float16)
-    opts = dict(kv_cache_dtype="fp8", k_scale=0.7, v_scale=1.3, sliding_window=w,
-                skip_decode=True)
-    with tile_config(32, 16, 4, 2, True, 1, gather):
-        out = run(adapter, case, output=keep, **opts)
-    check(out, reference(case, output=keep, **opts), "float16", f"fp8 window gather={gather}")
-    assert_bitwise_equal(out[21:22], keep[21:22], "decode row kept")
-
-
-def test_gather_plan_policy():
-    """Automatic choice: gather when cache tiles are reused and the scratch is small."""
-    from core_kernels._plan import ArrayInfo
-    from core_kernels.prefix_prefill import plan_prefix_prefill
-    A = ArrayInfo.contiguous
-
-    def plan(q_len, b, blocks):
-        t = q_len * b
-        return plan_prefix_prefill(
-            A((t, 32, 128), "float16"), A((t, 8, 128), "float16"), A((t, 8, 128), "float16"),
-            A((b * blocks, 8, 16, 16, 8), "float16"), A((b * blocks, 8, 128, 16), "float16"),
-            A((b, blocks), "int32"), A((b + 1,), "int32"), A((b,), "int32"), max_input_len=q_len)
-
-    assert len(plan(1024, 4, 256).launches) == 2               # reused, 64 MiB scratch
-    assert len(plan(16, 4, 256).launches) == 1                 # one row tile: no reuse
-    assert len(plan(1024, 64, 8192).launches) == 1             # scratch too large
 
 
 def _options(name, hq, g):
@@ -216,28 +142,6 @@ OPTION_SETS = ["window", "alibi", "sinks", "scale", "window-alibi", "alibi-sinks
                "window-sinks", "window-alibi-sinks-scale"]
 
 
-@pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("options", OPTION_SETS)
-def test_options(adapter, options):
-    g = rng()
-    opts = _options(options, 4, g)
-    case = make_case([(25, 40), (1, 60), (18, 0)], 4, 2, 32, 16, 8, "float16",
-                     window=opts.get("sliding_window"))
-    check(run(adapter, case, **opts), reference(case, **opts), "float16", options)
-
-
-@pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("kv_cache_dtype,as_uint8", [("fp8", True), ("fp8_e4m3", False),
-                                                     ("fp8_e5m2", True), ("auto", False)])
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_fp8_cache(adapter, kv_cache_dtype, as_uint8, dtype):
-    fmt = FP8_FORMATS.get(kv_cache_dtype, "float8_e5m2")
-    case = make_case([(21, 50), (1, 20), (9, 0)], 4, 2, 32, 16, 8, dtype, cache_fp8=fmt,
-                     as_uint8=as_uint8)
-    opts = dict(kv_cache_dtype=kv_cache_dtype, k_scale=0.7, v_scale=1.3)
-    check(run(adapter, case, **opts), reference(case, **opts), dtype, kv_cache_dtype)
-
-
 def _fp8_out_check(out8, ref, scale, dtype):
     """One fp8 step (1/8 relative), plus the q dtype's absolute error magnified by 1/scale."""
     assert out8.dtype.name == "float8_e4m3fn"
@@ -247,151 +151,6 @@ def _fp8_out_check(out8, ref, scale, dtype):
                                rtol=0.13, atol=atol)
 
 
-@pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-def test_fp8_output(adapter, dtype):
-    case = make_case([(23, 30), (6, 0)], 4, 2, 32, 16, 8, dtype)
-    scale = 0.004  # |o| up to ~2 -> saturates at 448: clamp before the cast
-    out8 = run(adapter, case, fp8_out_scale=scale)
-    ref = reference(case)
-    _fp8_out_check(out8, ref, scale, dtype)
-    assert np.abs(ref / scale).max() > 448, "the test should exercise the clamp"
-    if dtype == "float32" and not GPU:
-        # bit-identical to clamp-then-cast in the framework of our own fp32 output
-        out32 = run(adapter, case)
-        t = (torch.from_numpy(np.array(out32)) / torch.tensor(scale)).clamp(-448, 448).to(torch.float8_e4m3fn)
-        assert_bitwise_equal(out8, torch_to_numpy(t), "fp8 output vs clamp-then-cast")
-
-
-@pytest.mark.parametrize("adapter", ADAPTERS)
-def test_everything_combined(adapter):
-    """fp8 cache (uint8) + fp8 output + window + alibi + sinks + GQA + skip_decode."""
-    g = rng()
-    opts = _options("window-alibi-sinks-scale", 4, g)
-    case = make_case([(30, 70), (1, 40), (12, 0), (1, 0)], 4, 2, 48, 32, 16, "float16",
-                     cache_fp8="float8_e4m3fn", as_uint8=True, window=opts["sliding_window"])
-    keep = cast(g.standard_normal(case["q"].shape), "float8_e4m3fn")
-    opts.update(kv_cache_dtype="fp8", k_scale=0.5, v_scale=2.0, skip_decode=True)
-    out8 = run(adapter, case, fp8_out_scale=0.01, output=keep, **opts)
-    ref = reference(case, output=keep.astype(np.float64) * 0.01, **opts)
-    _fp8_out_check(out8, ref, 0.01, "float16")
-    assert_bitwise_equal(out8[30:31], keep[30:31], "decode row kept")
-    assert_bitwise_equal(out8[-1:], keep[-1:], "decode row kept")
-
-
-@pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("skip_decode", [False, True])
-def test_all_decode_batch(adapter, skip_decode):
-    case = make_case([(1, 30), (1, 0), (1, 77), (1, 16)], 4, 2, 32, 16, 8, "float32")
-    keep = np.full(case["q"].shape, 7.0, np.float32)
-    out = run(adapter, case, skip_decode=skip_decode, output=keep)
-    if skip_decode:
-        assert_bitwise_equal(out, keep, "all rows untouched")
-    else:
-        check(out, reference(case), "float32", "decode rows")
-
-
-@pytest.mark.parametrize("adapter", ADAPTERS)
-def test_skip_decode_keeps_rows(adapter):
-    case = make_case([(12, 20), (1, 30), (9, 0), (1, 5)], 4, 2, 32, 16, 8, "float32")
-    keep = rng().standard_normal(case["q"].shape).astype(np.float32)
-    out = run(adapter, case, skip_decode=True, output=keep)
-    check(out, reference(case, skip_decode=True, output=keep), "float32", "skip_decode")
-    assert_bitwise_equal(out[12:13], keep[12:13], "decode row")
-    if adapter == "jax":  # without output, skipped rows are zeros
-        out = run(adapter, case, skip_decode=True)
-        assert np.all(out[12] == 0) and np.all(out[-1] == 0)
-
-
-@pytest.mark.parametrize("adapter", ADAPTERS)
-def test_max_input_len_larger_than_needed(adapter):
-    case = make_case([(5, 20), (9, 3)], 2, 1, 32, 16, 8, "float32")
-    check(run(adapter, case, max_input_len=64), reference(case), "float32", "max_input_len=64")
-
-
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-def test_torch_and_jax_bitwise_equal(dtype):
-    g = rng()
-    opts = _options("window-alibi-sinks", 4, g)
-    case = make_case([(33, 45), (1, 20), (20, 0)], 4, 2, 32, 16, 8, dtype,
-                     cache_fp8="float8_e5m2", window=opts["sliding_window"])
-    opts.update(kv_cache_dtype="fp8_e5m2", k_scale=0.8, v_scale=1.1)
-    for out_scale in (None, 0.02):
-        t = run("torch", case, fp8_out_scale=out_scale, **opts)
-        j = run("jax", case, fp8_out_scale=out_scale, jit=True, **opts)
-        assert_bitwise_equal(t, j, f"torch vs jax (fp8 out {out_scale})")
-
-
-def test_torch_any_strides():
-    """Padded / permuted views of every tensor argument."""
-    case = make_case([(14, 40), (6, 9)], 4, 2, 32, 16, 8, "float16")
-    ref = reference(case)
-
-    def padded(a, axis):  # a view of ``a`` inside a larger buffer
-        pad = [(0, 0)] * a.ndim
-        pad[axis] = (1, 2)
-        big = to_torch(np.pad(a, pad))
-        return big.narrow(axis, 1, a.shape[axis])
-
-    q, k, v = padded(case["q"], 1), padded(case["k"], 2), padded(case["v"], 0)
-    kc, vc = padded(case["k_cache"], 1), padded(case["v_cache"], 3)
-    b_loc = to_torch(np.ascontiguousarray(case["b_loc"].T)).t()
-    o_big = to_torch(poison_like((case["q"].shape[0], 6, 32), "float16"))
-    o = o_big[:, 1:5]
-    at.context_attention_fwd(q, k, v, o, "auto", kc, vc, b_loc, to_torch(case["b_start_loc"]),
-                             to_torch(case["b_seq_len"]), 0, case["max_input_len"])
-    check(torch_to_numpy(o), ref, "float16", "strided")
-    assert torch.isnan(o_big[:, 0].float()).all() and torch.isnan(o_big[:, 5].float()).all()
-
-
-def test_jax_jit_no_recompile_and_donation():
-    """New splits and context lengths (device data) reuse one compiled program."""
-    import jax
-    import adapters.jax as aj
-    case = make_case([(10, 40), (7, 35)], 2, 1, 32, 16, 8, "float32")
-    f = jax.jit(functools.partial(aj.context_attention_fwd, max_input_len=16, skip_decode=True),
-                donate_argnames=("output",))
-    for lens in ([(10, 20), (7, 35)], [(12, 4), (5, 30)], [(1, 30), (16, 19)]):
-        qlens = np.array([a for a, _ in lens])
-        c2 = dict(case, b_start_loc=np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32),
-                  b_seq_len=(qlens + [c for _, c in lens]).astype(np.int32))
-        keep = np.full(case["q"].shape, 3.0, np.float32)
-        out = f(*(to_jax(c2[n]) for n in ARRAYS), output=to_jax(keep))
-        ref = reference(c2, skip_decode=True, output=keep)
-        check(jax_to_numpy(out), ref, "float32", f"lens {lens}")
-    assert f._cache_size() == 1, "new block tables / lengths recompiled"
-
-
-def test_torch_compile_fullgraph():
-    case = make_case([(9, 20), (4, 0)], 2, 1, 32, 16, 8, "float32")
-    ts = {n: to_torch(case[n]) for n in ARRAYS}
-
-    def f(q, k, v, kc, vc, bl, bs, sl):
-        o = torch.empty_like(q)
-        at.context_attention_fwd(q, k, v, o, "auto", kc, vc, bl, bs, sl, 0, 9)
-        return o * 2
-
-    backend = "inductor" if GPU else "aot_eager"
-    out = torch.compile(f, fullgraph=True, backend=backend)(*(ts[n] for n in ARRAYS))
-    check(torch_to_numpy(out), 2 * reference(case), "float32", "compiled")
-
-
-def test_plan_is_cached_and_data_is_runtime():
-    case = make_case([(5, 20), (3, 9)], 2, 1, 32, 16, 8, "float32")
-    from adapters.torch import _executor
-    run("torch", case)
-    from core_kernels.prefix_prefill.plan import _plan
-    info0 = _plan.cache_info()
-    cached = dict(_executor._PLANS)
-    case["b_seq_len"] = case["b_seq_len"] + 1  # other lengths: same plan
-    run("torch", case)
-    info1 = _plan.cache_info()
-    # no new plan: neither the planner nor the adapter-side plan cache made one
-    assert info1.misses == info0.misses
-    assert cached and _executor._PLANS == cached
-
-
-# ------------------------------------------------------------------ errors
 def _bad(case, **repl):
     return {**case, **repl}
 
@@ -416,48 +175,364 @@ def _error_cases():
         ("q", _bad(c, q=np.zeros((t, 4, 300), f32), k=np.zeros((t, 2, 300), f32),
                    v=np.zeros((t, 2, 300), f32)), {}),                         # D > 256
         ("k_cache", c, dict(kv_cache_dtype="fp8_e5m2")),                       # fp32 cache as fp8
+        ("config", c, dict(config=PrefixPrefillConfig(24, 16))),               # not a power of two
+        ("config", c, dict(config=PrefixPrefillConfig(16, 16, prefetch_ids=3))),
     ]
 
 
-@pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("case", range(13))
-def test_errors_name_the_argument(adapter, case):
-    name, c, opts = _error_cases()[case]
-    with pytest.raises((ValueError, TypeError), match=name):
-        run(adapter, c, **opts)
+class PrefixPrefillTests:
+    """Every context_attention_fwd test, written once; a subclass per adapter
+    implements ``attention`` (and may add framework-only tests)."""
+
+    def attention(self, case, *, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
+                  alibi_slopes=None, sliding_window=None, sm_scale=None, skip_decode=False,
+                  fp8_out_scale=None, sinks=None, output=None, max_input_len=None, config=None):
+        """A numpy case (make_case) -> the numpy output through this adapter.
+        ``output``: the output's values before the call (None: the adapter's default)."""
+        raise NotImplementedError
+
+    @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+    @pytest.mark.parametrize("shape", list(SHAPES))
+    def test_matches_reference(self, dtype, shape):
+        seqs, hq, hkv, d, bs, x = SHAPES[shape]
+        case = make_case(seqs, hq, hkv, d, bs, x, dtype)
+        check(self.attention(case), reference(case), dtype, shape)
+
+    @pytest.mark.parametrize("tiles", [(16, 16), (32, 16, 4, 2, False, 0),
+                                       (16, 32, 4, 2, False, 2, False),
+                                       (64, 32, 4, 2, True, 2, False), (32, 32, 4, 2, True, 0, True)],
+                             ids=str)
+    def test_small_tiles_full_and_masked_runs(self, tiles):
+        """Small tiles so every run (masked / full, cache / new keys) has several tiles."""
+        config = PrefixPrefillConfig(*tiles)
+        case = make_case([(70, 90), (37, 0), (1, 33), (48, 16)], 4, 1, 32, 16, 8, "float32",
+                         table_dtype="int64")
+        check(self.attention(case, config=config), reference(case), "float32", f"tiles {tiles}")
+        w = 23
+        case = make_case([(70, 90), (37, 0), (1, 33), (48, 16)], 4, 1, 32, 16, 8, "float32",
+                         window=w)
+        check(self.attention(case, sliding_window=w, config=config),
+              reference(case, sliding_window=w), "float32", f"tiles {tiles} window")
+
+    @pytest.mark.parametrize("gather", [False, True])
+    def test_context_gathered_or_paged(self, gather):
+        """Both ways of reading the context (dense scratch copy / paged loads in the
+        loop) with odd shapes, fp8 (uint8) cache, window and skip_decode."""
+        g = rng()
+        for shape in ("mqa-d24-bs48", "gqa-d96-bs544-x4"):
+            seqs, hq, hkv, d, bs, x = SHAPES[shape]
+            case = make_case(seqs, hq, hkv, d, bs, x, "float32")
+            config = PrefixPrefillConfig(16, 16, 4, 2, True, 1, gather)
+            check(self.attention(case, config=config), reference(case), "float32",
+                  f"{shape} gather={gather}")
+        w = 29
+        case = make_case([(21, 50), (1, 20), (9, 0), (17, 33)], 4, 2, 32, 16, 8, "float16",
+                         cache_fp8="float8_e4m3fn", as_uint8=True, window=w)
+        keep = g.standard_normal(case["q"].shape).astype(np.float16)
+        opts = dict(kv_cache_dtype="fp8", k_scale=0.7, v_scale=1.3, sliding_window=w,
+                    skip_decode=True)
+        out = self.attention(case, output=keep, config=PrefixPrefillConfig(32, 16, 4, 2, True, 1, gather),
+                             **opts)
+        check(out, reference(case, output=keep, **opts), "float16", f"fp8 window gather={gather}")
+        assert_bitwise_equal(out[21:22], keep[21:22], "decode row kept")
+
+    @pytest.mark.parametrize("options", OPTION_SETS)
+    def test_options(self, options):
+        g = rng()
+        opts = _options(options, 4, g)
+        case = make_case([(25, 40), (1, 60), (18, 0)], 4, 2, 32, 16, 8, "float16",
+                         window=opts.get("sliding_window"))
+        check(self.attention(case, **opts), reference(case, **opts), "float16", options)
+
+    @pytest.mark.parametrize("kv_cache_dtype,as_uint8", [("fp8", True), ("fp8_e4m3", False),
+                                                         ("fp8_e5m2", True), ("auto", False)])
+    @pytest.mark.parametrize("dtype", ["float32", "float16"])
+    def test_fp8_cache(self, kv_cache_dtype, as_uint8, dtype):
+        fmt = FP8_FORMATS.get(kv_cache_dtype, "float8_e5m2")
+        case = make_case([(21, 50), (1, 20), (9, 0)], 4, 2, 32, 16, 8, dtype, cache_fp8=fmt,
+                         as_uint8=as_uint8)
+        opts = dict(kv_cache_dtype=kv_cache_dtype, k_scale=0.7, v_scale=1.3)
+        check(self.attention(case, **opts), reference(case, **opts), dtype, kv_cache_dtype)
+
+    @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+    def test_fp8_output(self, dtype):
+        case = make_case([(23, 30), (6, 0)], 4, 2, 32, 16, 8, dtype)
+        scale = 0.004  # |o| up to ~2 -> saturates at 448: clamp before the cast
+        out8 = self.attention(case, fp8_out_scale=scale)
+        ref = reference(case)
+        _fp8_out_check(out8, ref, scale, dtype)
+        assert np.abs(ref / scale).max() > 448, "the test should exercise the clamp"
+        if dtype == "float32" and not GPU:
+            # bit-identical to clamp-then-cast in the framework of our own fp32 output
+            out32 = self.attention(case)
+            t = (torch.from_numpy(np.array(out32)) / torch.tensor(scale)).clamp(-448, 448).to(torch.float8_e4m3fn)
+            assert_bitwise_equal(out8, torch_to_numpy(t), "fp8 output vs clamp-then-cast")
+
+    def test_everything_combined(self):
+        """fp8 cache (uint8) + fp8 output + window + alibi + sinks + GQA + skip_decode."""
+        g = rng()
+        opts = _options("window-alibi-sinks-scale", 4, g)
+        case = make_case([(30, 70), (1, 40), (12, 0), (1, 0)], 4, 2, 48, 32, 16, "float16",
+                         cache_fp8="float8_e4m3fn", as_uint8=True, window=opts["sliding_window"])
+        keep = cast(g.standard_normal(case["q"].shape), "float8_e4m3fn")
+        opts.update(kv_cache_dtype="fp8", k_scale=0.5, v_scale=2.0, skip_decode=True)
+        out8 = self.attention(case, fp8_out_scale=0.01, output=keep, **opts)
+        ref = reference(case, output=keep.astype(np.float64) * 0.01, **opts)
+        _fp8_out_check(out8, ref, 0.01, "float16")
+        assert_bitwise_equal(out8[30:31], keep[30:31], "decode row kept")
+        assert_bitwise_equal(out8[-1:], keep[-1:], "decode row kept")
+
+    @pytest.mark.parametrize("skip_decode", [False, True])
+    def test_all_decode_batch(self, skip_decode):
+        case = make_case([(1, 30), (1, 0), (1, 77), (1, 16)], 4, 2, 32, 16, 8, "float32")
+        keep = np.full(case["q"].shape, 7.0, np.float32)
+        out = self.attention(case, skip_decode=skip_decode, output=keep)
+        if skip_decode:
+            assert_bitwise_equal(out, keep, "all rows untouched")
+        else:
+            check(out, reference(case), "float32", "decode rows")
+
+    def test_skip_decode_keeps_rows(self):
+        case = make_case([(12, 20), (1, 30), (9, 0), (1, 5)], 4, 2, 32, 16, 8, "float32")
+        keep = rng().standard_normal(case["q"].shape).astype(np.float32)
+        out = self.attention(case, skip_decode=True, output=keep)
+        check(out, reference(case, skip_decode=True, output=keep), "float32", "skip_decode")
+        assert_bitwise_equal(out[12:13], keep[12:13], "decode row")
+
+    def test_max_input_len_larger_than_needed(self):
+        case = make_case([(5, 20), (9, 3)], 2, 1, 32, 16, 8, "float32")
+        check(self.attention(case, max_input_len=64), reference(case), "float32", "max_input_len=64")
+
+    @pytest.mark.parametrize("case", range(15))
+    def test_errors_name_the_argument(self, case):
+        name, c, opts = _error_cases()[case]
+        with pytest.raises((ValueError, TypeError), match=name):
+            self.attention(c, **opts)
+
+    def test_config_of_another_op_is_refused(self):
+        from core_kernels.merge_attn_states import MergeConfig
+        case = make_case([(4, 10)], 4, 2, 32, 16, 8, "float32")
+        with pytest.raises(TypeError, match="config"):
+            self.attention(case, config=MergeConfig())
 
 
-def test_torch_output_errors():
-    c = make_case([(4, 10)], 4, 2, 32, 16, 8, "float32")
-    args = [to_torch(c[n]) for n in ARRAYS]
-    with pytest.raises(TypeError, match="output"):
-        at.context_attention_fwd(*args[:3], torch.empty(4, 4, 32, dtype=torch.float16, device=DEVICE),
-                                 "auto", *args[3:], 0, 4)
-    with pytest.raises(ValueError, match="fp8_out_scale"):
-        at.context_attention_fwd(*args[:3], torch.empty(4, 4, 32, dtype=torch.float8_e4m3fn, device=DEVICE),
-                                 "auto", *args[3:], 0, 4)
-    with pytest.raises(ValueError, match="output"):
-        at.context_attention_fwd(*args[:3], torch.empty(5, 4, 32, device=DEVICE), "auto", *args[3:], 0, 4)
-    with pytest.raises(ValueError, match="k_scale"):
-        at.context_attention_fwd(*args[:3], torch.empty(4, 4, 32, device=DEVICE), "fp8",
-                                 to_torch(np.zeros(c["k_cache"].shape, np.uint8)),
-                                 to_torch(np.zeros(c["v_cache"].shape, np.uint8)), *args[5:], 0, 4,
-                                 k_scale=torch.ones(2, device=DEVICE), v_scale=1.0)
-    with pytest.raises(ValueError, match="b_seq_len.*one device"):
-        at.context_attention_fwd(*args[:3], torch.empty(4, 4, 32, device=DEVICE), "auto",
-                                 *args[3:7], args[7].to("meta"), 0, 4)
+class TestTorch(TorchAdapter, PrefixPrefillTests):
+    def attention(self, case, *, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
+                  alibi_slopes=None, sliding_window=None, sm_scale=None, skip_decode=False,
+                  fp8_out_scale=None, sinks=None, output=None, max_input_len=None, config=None):
+        out_dtype = "float8_e4m3fn" if fp8_out_scale is not None else case["q"].dtype.name
+        mil = case["max_input_len"] if max_input_len is None else max_input_len
+        o = to_torch(poison_like(case["q"].shape, out_dtype) if output is None else output)
+        scl = lambda s: None if s is None else torch.tensor([s], dtype=torch.float32, device=DEVICE)  # noqa: E731
+        at.context_attention_fwd(
+            *(to_torch(case[n]) for n in ARRAYS[:3]), o, kv_cache_dtype,
+            *(to_torch(case[n]) for n in ARRAYS[3:]), 0, mil, scl(k_scale), scl(v_scale),
+            None if alibi_slopes is None else to_torch(alibi_slopes), sliding_window, sm_scale,
+            skip_decode, scl(fp8_out_scale), None if sinks is None else to_torch(sinks),
+            config=config)
+        return torch_to_numpy(o)
+
+    def test_any_strides(self):
+        """Padded / permuted views of every tensor argument."""
+        case = make_case([(14, 40), (6, 9)], 4, 2, 32, 16, 8, "float16")
+        ref = reference(case)
+
+        def padded(a, axis):  # a view of ``a`` inside a larger buffer
+            pad = [(0, 0)] * a.ndim
+            pad[axis] = (1, 2)
+            big = to_torch(np.pad(a, pad))
+            return big.narrow(axis, 1, a.shape[axis])
+
+        q, k, v = padded(case["q"], 1), padded(case["k"], 2), padded(case["v"], 0)
+        kc, vc = padded(case["k_cache"], 1), padded(case["v_cache"], 3)
+        b_loc = to_torch(np.ascontiguousarray(case["b_loc"].T)).t()
+        o_big = to_torch(poison_like((case["q"].shape[0], 6, 32), "float16"))
+        o = o_big[:, 1:5]
+        at.context_attention_fwd(q, k, v, o, "auto", kc, vc, b_loc, to_torch(case["b_start_loc"]),
+                                 to_torch(case["b_seq_len"]), 0, case["max_input_len"])
+        check(torch_to_numpy(o), ref, "float16", "strided")
+        assert torch.isnan(o_big[:, 0].float()).all() and torch.isnan(o_big[:, 5].float()).all()
+
+    def test_compile_fullgraph(self):
+        case = make_case([(9, 20), (4, 0)], 2, 1, 32, 16, 8, "float32")
+        ts = {n: to_torch(case[n]) for n in ARRAYS}
+        config = PrefixPrefillConfig(16, 16, gather=True)
+
+        def f(q, k, v, kc, vc, bl, bs, sl):
+            o = torch.empty_like(q)
+            at.context_attention_fwd(q, k, v, o, "auto", kc, vc, bl, bs, sl, 0, 9)
+            o2 = torch.empty_like(q)
+            at.context_attention_fwd(q, k, v, o2, "auto", kc, vc, bl, bs, sl, 0, 9, config=config)
+            return o * 2, o2
+
+        backend = "inductor" if GPU else "aot_eager"
+        out, out2 = torch.compile(f, fullgraph=True, backend=backend)(*(ts[n] for n in ARRAYS))
+        check(torch_to_numpy(out), 2 * reference(case), "float32", "compiled")
+        check(torch_to_numpy(out2), reference(case), "float32", "compiled, config=")
+
+    def test_plan_is_cached_and_data_is_runtime(self):
+        from adapters.torch import _executor
+        case = make_case([(5, 20), (3, 9)], 2, 1, 32, 16, 8, "float32")
+        self.attention(case)
+        info0 = plan_prefix_prefill.cache_info()
+        cached = dict(_executor._PLANS)
+        case["b_seq_len"] = case["b_seq_len"] + 1  # other lengths: same plan
+        self.attention(case)
+        info1 = plan_prefix_prefill.cache_info()
+        # no new plan: neither the planner nor the adapter-side plan cache made one
+        assert info1.misses == info0.misses
+        assert cached and _executor._PLANS == cached
+
+    def test_plan_cache_follows_config(self, monkeypatch):
+        """config= reaches plans the torch adapter has already cached for the same
+        layouts (its plan cache sits above the planner's): the plain, paged and
+        gathered calls each run their own plan."""
+        import adapters.torch._ops_prefix_prefill as ops
+        plans = []
+        real = ops.run_plan
+        monkeypatch.setattr(ops, "run_plan", lambda plan, *a, **kw: (plans.append(plan), real(plan, *a, **kw))[1])
+        case = make_case([(20, 40), (1, 17)], 4, 2, 32, 16, 8, "float32")
+        ref = reference(case)
+        check(self.attention(case), ref, "float32", "plain")
+        for gather in (False, True):
+            config = PrefixPrefillConfig(16, 16, 4, 2, True, 1, gather)
+            check(self.attention(case, config=config), ref, "float32", f"gather={gather}")
+        plain, paged, gathered = plans
+        assert len(gathered.launches) == len(paged.launches) + 1, (paged.launches, gathered.launches)
+        assert paged.launches[-1].constexprs["BLOCK_M"] == 16 != plain.launches[-1].constexprs["BLOCK_M"]
+
+    def test_output_errors(self):
+        c = make_case([(4, 10)], 4, 2, 32, 16, 8, "float32")
+        args = [to_torch(c[n]) for n in ARRAYS]
+        with pytest.raises(TypeError, match="output"):
+            at.context_attention_fwd(*args[:3], torch.empty(4, 4, 32, dtype=torch.float16, device=DEVICE),
+                                     "auto", *args[3:], 0, 4)
+        with pytest.raises(ValueError, match="fp8_out_scale"):
+            at.context_attention_fwd(*args[:3], torch.empty(4, 4, 32, dtype=torch.float8_e4m3fn, device=DEVICE),
+                                     "auto", *args[3:], 0, 4)
+        with pytest.raises(ValueError, match="output"):
+            at.context_attention_fwd(*args[:3], torch.empty(5, 4, 32, device=DEVICE), "auto", *args[3:], 0, 4)
+        with pytest.raises(ValueError, match="k_scale"):
+            at.context_attention_fwd(*args[:3], torch.empty(4, 4, 32, device=DEVICE), "fp8",
+                                     to_torch(np.zeros(c["k_cache"].shape, np.uint8)),
+                                     to_torch(np.zeros(c["v_cache"].shape, np.uint8)), *args[5:], 0, 4,
+                                     k_scale=torch.ones(2, device=DEVICE), v_scale=1.0)
+        with pytest.raises(ValueError, match="b_seq_len.*one device"):
+            at.context_attention_fwd(*args[:3], torch.empty(4, 4, 32, device=DEVICE), "auto",
+                                     *args[3:7], args[7].to("meta"), 0, 4)
+
+    @requires_gpu
+    def test_gpu_head_sizes_and_block_sizes(self):
+        for d, bs, x in GPU_HEAD_SIZES:
+            case = make_case([(200, 300), (77, 0), (1, 50)], 8, 2, d, bs, x, "bfloat16")
+            check(self.attention(case), reference(case), "bfloat16", f"d={d} bs={bs}")
+
+    @requires_gpu
+    def test_cuda_graph_replay(self):
+        case = make_case([(128, 256), (64, 64)], 8, 2, 128, 16, 8, "float16")
+        ts = {n: to_torch(case[n]) for n in ARRAYS}
+        o = torch.empty(ts["q"].shape, dtype=torch.float16, device="cuda")
+        call = lambda: at.context_attention_fwd(ts["q"], ts["k"], ts["v"], o, "auto", ts["k_cache"],  # noqa: E731
+                                                ts["v_cache"], ts["b_loc"], ts["b_start_loc"],
+                                                ts["b_seq_len"], 0, 128)
+        call()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        q2 = rng().standard_normal(case["q"].shape).astype(np.float16)
+        ts["q"].copy_(to_torch(q2))
+        o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(torch_to_numpy(o), reference({**case, "q": q2}), "float16", "graph replay")
+
+
+class TestJax(JaxAdapter, PrefixPrefillTests):
+    def attention(self, case, *, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
+                  alibi_slopes=None, sliding_window=None, sm_scale=None, skip_decode=False,
+                  fp8_out_scale=None, sinks=None, output=None, max_input_len=None, config=None,
+                  jit=False):
+        import jax
+        import adapters.jax as aj
+        fn = functools.partial(aj.context_attention_fwd, max_input_len=max_input_len,
+                               kv_cache_dtype=kv_cache_dtype, sliding_window=sliding_window,
+                               sm_scale=sm_scale, skip_decode=skip_decode, config=config)
+        if jit:
+            fn = jax.jit(fn)
+        kw = dict(k_scale=np.float32(k_scale), v_scale=np.float32(v_scale),
+                  alibi_slopes=alibi_slopes, sinks=sinks, output=output,
+                  fp8_out_scale=None if fp8_out_scale is None else np.float32(fp8_out_scale))
+        kw = {n: to_jax(a) for n, a in kw.items() if a is not None}
+        return jax_to_numpy(fn(*(to_jax(case[n]) for n in ARRAYS), **kw))
+
+    def test_skipped_rows_are_zeros_without_output(self):
+        case = make_case([(12, 20), (1, 30), (9, 0), (1, 5)], 4, 2, 32, 16, 8, "float32")
+        out = self.attention(case, skip_decode=True)
+        assert np.all(out[12] == 0) and np.all(out[-1] == 0)
+
+    def test_jit_no_recompile_and_donation(self):
+        """New splits and context lengths (device data) reuse one compiled program."""
+        import jax
+        import adapters.jax as aj
+        case = make_case([(10, 40), (7, 35)], 2, 1, 32, 16, 8, "float32")
+        f = jax.jit(functools.partial(aj.context_attention_fwd, max_input_len=16, skip_decode=True),
+                    donate_argnames=("output",))
+        for lens in ([(10, 20), (7, 35)], [(12, 4), (5, 30)], [(1, 30), (16, 19)]):
+            qlens = np.array([a for a, _ in lens])
+            c2 = dict(case, b_start_loc=np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32),
+                      b_seq_len=(qlens + [c for _, c in lens]).astype(np.int32))
+            keep = np.full(case["q"].shape, 3.0, np.float32)
+            out = f(*(to_jax(c2[n]) for n in ARRAYS), output=to_jax(keep))
+            ref = reference(c2, skip_decode=True, output=keep)
+            check(self.numpy(out), ref, "float32", f"lens {lens}")
+        assert f._cache_size() == 1, "new block tables / lengths recompiled"
+
+
+# ------------------------------------------------------------------ both adapters, one plan
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_torch_and_jax_bitwise_equal(dtype):
+    g = rng()
+    opts = _options("window-alibi-sinks", 4, g)
+    case = make_case([(33, 45), (1, 20), (20, 0)], 4, 2, 32, 16, 8, dtype,
+                     cache_fp8="float8_e5m2", window=opts["sliding_window"])
+    opts.update(kv_cache_dtype="fp8_e5m2", k_scale=0.8, v_scale=1.1)
+    for out_scale in (None, 0.02):
+        t = TestTorch().attention(case, fp8_out_scale=out_scale, **opts)
+        j = TestJax().attention(case, fp8_out_scale=out_scale, jit=True, **opts)
+        assert_bitwise_equal(t, j, f"torch vs jax (fp8 out {out_scale})")
+
+
+def test_gather_plan_policy():
+    """Automatic choice: gather when cache tiles are reused and the scratch is small."""
+    A = ArrayInfo.contiguous
+
+    def plan(q_len, b, blocks, config=None):
+        t = q_len * b
+        return plan_prefix_prefill(
+            Target.interpreter(), A((t, 32, 128), "float16"), A((t, 8, 128), "float16"),
+            A((t, 8, 128), "float16"), A((b * blocks, 8, 16, 16, 8), "float16"),
+            A((b * blocks, 8, 128, 16), "float16"), A((b, blocks), "int32"), A((b + 1,), "int32"),
+            A((b,), "int32"), max_input_len=q_len, config=config)
+
+    assert len(plan(1024, 4, 256).launches) == 2               # reused, 64 MiB scratch
+    assert len(plan(16, 4, 256).launches) == 1                 # one row tile: no reuse
+    assert len(plan(1024, 64, 8192).launches) == 1             # scratch too large
+    forced = PrefixPrefillConfig(64, 32, 4, 2, True, 0, gather=True)
+    assert len(plan(16, 4, 256, forced).launches) == 2         # config= forces it ...
+    assert plan(16, 4, 256, forced).launches[-1].constexprs["BLOCK_N"] == 32  # ... with its tiles
+    assert len(plan(1024, 4, 256, dataclasses.replace(forced, gather=False)).launches) == 1
 
 
 # ------------------------------------------------------------------ GPU, real sizes
 GPU_SEQS = [(300, 700), (129, 1024), (1, 2000), (64, 0), (512, 33)]
+GPU_HEAD_SIZES = ((80, 16, 8), (96, 48, 8), (112, 544, 8), (192, 32, 16), (256, 16, 8), (64, 32, 4))
+GPU_OPTIONS = ["plain", "window-alibi-sinks", "fp8"]
+SM90 = Target("cuda", 90, 132, gluon=True)  # the H200 the GPU tests run on
 
 
-@requires_gpu
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("options", ["plain", "window-alibi-sinks", "fp8"])
-def test_gpu_real_sizes(dtype, options):
-    g = rng()
-    opts = _options(options, 32, g)
+def _gpu_case(dtype, options):
+    """(case, options) of test_gpu_real_sizes."""
+    opts = _options(options, 32, rng())
     if "sliding_window" in opts:
         opts["sliding_window"] = 256
     fp8 = options == "fp8"
@@ -466,62 +541,47 @@ def test_gpu_real_sizes(dtype, options):
                      window=opts.get("sliding_window"))
     if fp8:
         opts.update(kv_cache_dtype="fp8", k_scale=0.6, v_scale=0.9)
+    return case, opts
+
+
+def _paged(dtype):
+    """The measured paged-path tiles of 16-bit / fp32 D=128, forced (no gather)."""
+    return dataclasses.replace(TILE_CONFIGS[(np_dtype(dtype).itemsize, 128)], gather=False)
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("options", GPU_OPTIONS)
+def test_gpu_real_sizes(dtype, options):
+    case, opts = _gpu_case(dtype, options)
     ref = reference(case, **opts)
-    t = run("torch", case, **opts)
+    torch_, jax_ = TestTorch(), TestJax()
+    t = torch_.attention(case, **opts)
     check(t, ref, dtype, f"torch {options}")
-    j = run("jax", case, jit=True, **opts)
+    j = jax_.attention(case, jit=True, **opts)
     assert_bitwise_equal(t, j, f"torch vs jax {options}")
     if options != "window-alibi-sinks":
         return
     # the paged path (context read through the block table in the loop), forced
-    from core_kernels.prefix_prefill.plan import TILE_CONFIGS
-    with tile_config(*TILE_CONFIGS[(np_dtype(dtype).itemsize, 128)], gather=False):
-        t2 = run("torch", case, **opts)
-        check(t2, ref, dtype, f"torch {options} paged")
-        j2 = run("jax", case, jit=True, **opts)
-        assert_bitwise_equal(t2, j2, f"torch vs jax {options} paged")
+    t2 = torch_.attention(case, config=_paged(dtype), **opts)
+    check(t2, ref, dtype, f"torch {options} paged")
+    j2 = jax_.attention(case, jit=True, config=_paged(dtype), **opts)
+    assert_bitwise_equal(t2, j2, f"torch vs jax {options} paged")
 
 
-@requires_gpu
-def test_gpu_head_sizes_and_block_sizes():
-    for d, bs, x in ((80, 16, 8), (96, 48, 8), (112, 544, 8), (192, 32, 16), (256, 16, 8), (64, 32, 4)):
-        case = make_case([(200, 300), (77, 0), (1, 50)], 8, 2, d, bs, x, "bfloat16")
-        check(run("torch", case), reference(case), "bfloat16", f"d={d} bs={bs}")
-
-
-@requires_gpu
-def test_cuda_graph_replay():
-    case = make_case([(128, 256), (64, 64)], 8, 2, 128, 16, 8, "float16")
-    ts = {n: to_torch(case[n]) for n in ARRAYS}
-    o = torch.empty(ts["q"].shape, dtype=torch.float16, device="cuda")
-    call = lambda: at.context_attention_fwd(ts["q"], ts["k"], ts["v"], o, "auto", ts["k_cache"],
-                                            ts["v_cache"], ts["b_loc"], ts["b_start_loc"],
-                                            ts["b_seq_len"], 0, 128)
-    call()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    q2 = rng().standard_normal(case["q"].shape).astype(np.float16)
-    ts["q"].copy_(to_torch(q2))
-    o.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    check(torch_to_numpy(o), reference({**case, "q": q2}), "float16", "graph replay")
-
-
-def test_torch_plan_cache_follows_tile_config(monkeypatch):
-    """tile_config reaches plans the torch adapter has already cached for the same
-    layouts (its plan cache sits above the planner's): the plain, paged and
-    gathered calls each run their own plan."""
-    import adapters.torch._ops_prefix_prefill as ops
-    plans = []
-    real = ops.run_plan
-    monkeypatch.setattr(ops, "run_plan", lambda plan, *a, **kw: (plans.append(plan), real(plan, *a, **kw))[1])
-    case = make_case([(20, 40), (1, 17)], 4, 2, 32, 16, 8, "float32")
-    ref = reference(case)
-    check(run("torch", case), ref, "float32", "plain")
-    for gather in (False, True):
-        with tile_config(16, 16, 4, 2, True, 1, gather):
-            check(run("torch", case), ref, "float32", f"gather={gather}")
-    paged, gathered = plans[1], plans[2]
-    assert len(gathered.launches) == len(paged.launches) + 1, (paged.launches, gathered.launches)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_gpu_test_plans_build(dtype):
+    """The plans of the GPU-only tests build for sm_90 (launch arguments checked
+    against the kernels' signatures) on a machine without a GPU."""
+    for options in GPU_OPTIONS:
+        case, opts = _gpu_case(dtype, options)
+        plans = [plan_for(case, SM90, **opts)]
+        if options == "window-alibi-sinks":
+            plans.append(plan_for(case, SM90, config=_paged(dtype), **opts))
+            assert len(plans[-1].launches) == 1, "the forced paged path gathered"
+        assert all(p.launches for p in plans)
+    if dtype == "bfloat16":
+        for d, bs, x in GPU_HEAD_SIZES:
+            assert plan_for(make_case([(200, 300), (77, 0), (1, 50)], 8, 2, d, bs, x, dtype), SM90).launches
+        case = make_case([(128, 256), (64, 64)], 8, 2, 128, 16, 8, "float16")  # CUDA graph replay
+        assert plan_for(case, SM90).launches

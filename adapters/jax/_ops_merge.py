@@ -38,6 +38,6 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
     plan = plan_merge_attn_states(
         tgt, info(prefix_output), info(prefix_lse), info(suffix_output), info(suffix_lse),
         num_ctx="none" if prefill_tokens_with_context is None else "array",
-        has_output_scale=output_scale is not None,
+        output_scale=None if output_scale is None else info(arrays["output_scale"]),
         output_dtype=None if output_dtype is None else jnp.dtype(output_dtype).name, config=config)
     return run_plan(plan, arrays, tgt)

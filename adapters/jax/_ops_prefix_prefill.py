@@ -5,13 +5,14 @@ import jax.numpy as jnp
 
 from core_kernels.prefix_prefill import plan_prefix_prefill
 
-from ._executor import as_array, info, run_plan
+from ._executor import as_array, info, run_plan, target
 
 
 def context_attention_fwd(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, *,
                           max_input_len=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
                           alibi_slopes=None, sliding_window=None, sm_scale=None,
-                          skip_decode=False, fp8_out_scale=None, sinks=None, output=None):
+                          skip_decode=False, fp8_out_scale=None, sinks=None, output=None,
+                          config=None):
     """Causal attention of new tokens over their paged context and themselves.
 
     Shapes, dtypes and options as in ``adapters.torch.context_attention_fwd``;
@@ -19,6 +20,7 @@ def context_attention_fwd(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_l
     ``max_input_len`` is static (default T, always valid). ``output``: optional
     [T, Hq, D] array aliased to the result, so rows skipped by ``skip_decode``
     keep its values (zeros when absent) and a donated buffer is updated in place.
+    ``config``: optional ``PrefixPrefillConfig`` overriding the planner's tiling (static).
     Returns o: [T, Hq, D] in q's dtype, or float8_e4m3fn with ``fp8_out_scale``.
     """
     arrays = dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, b_loc=b_loc,
@@ -31,11 +33,13 @@ def context_attention_fwd(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_l
         arrays["fp8_out_scale"] = as_array("fp8_out_scale", fp8_out_scale, jnp.float32)
     arrays = {n: x for n, x in arrays.items() if x is not None}
     infos = {n: info(x) for n, x in arrays.items()}
+    tgt = target(arrays)
     plan = plan_prefix_prefill(
+        tgt,
         *(infos.get(n) for n in ("q", "k", "v", "k_cache", "v_cache", "b_loc", "b_start_loc",
                                  "b_seq_len", "output", "k_scale", "v_scale", "alibi_slopes",
                                  "sinks", "fp8_out_scale")),
         max_input_len=q.shape[0] if max_input_len is None else max_input_len,
         kv_cache_dtype=kv_cache_dtype, sliding_window=sliding_window, sm_scale=sm_scale,
-        skip_decode=skip_decode)
-    return run_plan(plan, arrays)[0]
+        skip_decode=skip_decode, config=config)
+    return run_plan(plan, arrays, tgt)[0]

@@ -144,13 +144,14 @@ _FAST_PATH = True
 
 def _spec_key(launch, args, device_index):
     """What Triton specialises on that can change between calls of one plan:
-    pointer alignment, and runtime integers equal to 1 or divisible by 16."""
+    pointer alignment, and runtime integers equal to 1 or past int32 (never their
+    divisibility: the integer policy of core_kernels._triton_utils.jit)."""
     key = []
     for a, arg in zip(launch.args + launch.outputs, args):
         if isinstance(arg, torch.Tensor):
             key.append(arg.data_ptr() % 16 == 0)
         elif isinstance(a, Scalar) and isinstance(a.value, str):
-            key.append((arg == 1, arg % 16 == 0, -2 ** 31 <= arg < 2 ** 31) if isinstance(arg, int) else None)
+            key.append((arg == 1, -2 ** 31 <= arg < 2 ** 31) if isinstance(arg, int) else None)
     return launch, device_index, tuple(key)
 
 

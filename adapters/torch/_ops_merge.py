@@ -19,13 +19,9 @@ def _merge_impl(output: torch.Tensor, prefix_output: torch.Tensor, prefix_lse: t
     plan, device = planned(
         plan_merge_attn_states,
         dict(prefix_output=prefix_output, prefix_lse=prefix_lse, suffix_output=suffix_output,
-             suffix_lse=suffix_lse, output=output, output_lse=output_lse),
-        check_also=dict(output_scale=output_scale),
+             suffix_lse=suffix_lse, output=output, output_lse=output_lse, output_scale=output_scale),
         num_ctx="none" if prefill_tokens_with_context is None else "scalar",
-        has_output_scale=output_scale is not None, config=decode_config(config))
-    if output_scale is not None and (output_scale.numel() != 1 or output_scale.dtype != torch.float32):
-        raise ValueError("output_scale: expected a 1-element float32 tensor, got "
-                         f"shape {tuple(output_scale.shape)} dtype {output_scale.dtype}")
+        config=decode_config(config))
     tensors = dict(output=output, prefix_output=prefix_output, prefix_lse=prefix_lse,
                    suffix_output=suffix_output, suffix_lse=suffix_lse)
     if output_lse is not None:

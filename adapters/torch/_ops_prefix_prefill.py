@@ -5,6 +5,7 @@ from typing import Optional
 
 import torch
 
+from core_kernels._plan import decode_config, encode_config
 from core_kernels.prefix_prefill import plan_prefix_prefill
 
 from ._executor import planned, run_plan
@@ -17,7 +18,7 @@ def _impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
           max_input_len: int, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
           alibi_slopes: Optional[torch.Tensor], sliding_window: Optional[int],
           sm_scale: Optional[float], skip_decode: bool, fp8_out_scale: Optional[torch.Tensor],
-          sinks: Optional[torch.Tensor]) -> None:
+          sinks: Optional[torch.Tensor], config: Optional[str]) -> None:
     # in the planner's positional order
     tensors = dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, b_loc=b_loc,
                    b_start_loc=b_start_loc, b_seq_len=b_seq_len, output=o, k_scale=k_scale,
@@ -25,7 +26,7 @@ def _impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    fp8_out_scale=fp8_out_scale)
     plan, device = planned(plan_prefix_prefill, tensors, max_input_len=max_input_len,
                            kv_cache_dtype=kv_cache_dtype, sliding_window=sliding_window,
-                           sm_scale=sm_scale, skip_decode=skip_decode)
+                           sm_scale=sm_scale, skip_decode=skip_decode, config=decode_config(config))
     run_plan(plan, {n: t for n, t in tensors.items() if t is not None}, device=device)
 
 
@@ -44,7 +45,8 @@ def _scale_tensor(name, value, like):
 def context_attention_fwd(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b_start_loc,
                           b_seq_len, max_seq_len, max_input_len, k_scale=None, v_scale=None,
                           alibi_slopes=None, sliding_window=None, sm_scale=None,
-                          skip_decode=False, fp8_out_scale=None, sinks=None) -> None:
+                          skip_decode=False, fp8_out_scale=None, sinks=None, *,
+                          config=None) -> None:
     """Causal attention of new tokens over their paged context and themselves; writes ``o``.
 
     Args:
@@ -68,6 +70,8 @@ def context_attention_fwd(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b
         sm_scale: softmax scale (default 1/sqrt(D)); sinks: optional [Hq] logits
             that join the softmax denominator only.
         skip_decode: rows of sequences with a query length of 1 are left untouched.
+        config: optional ``core_kernels.prefix_prefill.PrefixPrefillConfig``
+            overriding the tiling (and the context gather) the planner would choose.
     All tensors may have any strides. Works eagerly, under
     ``torch.compile(fullgraph=True)`` and in CUDA graphs; CPU tensors run under
     Triton's interpreter on a machine without a GPU.
@@ -78,4 +82,4 @@ def context_attention_fwd(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b
         _scale_tensor("v_scale", v_scale, q), alibi_slopes,
         None if sliding_window is None else int(sliding_window),
         None if sm_scale is None else float(sm_scale), bool(skip_decode),
-        _scale_tensor("fp8_out_scale", fp8_out_scale, q), sinks)
+        _scale_tensor("fp8_out_scale", fp8_out_scale, q), sinks, encode_config(config))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from .._plan import (FLOAT_DTYPES, FP8_MAX, ITEMSIZE, ArrayInfo, Buffer, Launch, Plan, Scalar,
                      cdiv, check_config, check_dtype, check_inner_contiguous, check_ndim,
@@ -50,8 +51,8 @@ def plan_merge_attn_states(
     target: Target, prefix_output: ArrayInfo, prefix_lse: ArrayInfo,
     suffix_output: ArrayInfo, suffix_lse: ArrayInfo,
     output: ArrayInfo | None = None, output_lse: ArrayInfo | None = None,
-    *, want_output_lse: bool = True, num_ctx: str = "none",
-    has_output_scale: bool = False, output_dtype: str | None = None,
+    output_scale: ArrayInfo | None = None,
+    *, want_output_lse: bool = True, num_ctx: str = "none", output_dtype: str | None = None,
     config: MergeConfig | None = None,
 ) -> Plan:
     """Plan the merge of two partial attention states.
@@ -61,21 +62,26 @@ def plan_merge_attn_states(
     ``num_ctx``: how prefill_tokens_with_context arrives: "none" (= N),
     "scalar" (runtime argument ``prefill_tokens_with_context``, an int) or
     "array" (a 1-element int device array named ``prefill_tokens_with_context``).
-    With ``has_output_scale`` a 1-element fp32 array named ``output_scale`` is read.
+    ``output_scale``: the ArrayInfo of a 1-element fp32 array (the output is fp8), or None.
     ``config`` overrides the tiling chosen from CONFIGS.
     """
     check_config(config, (MergeConfig,))
     problem = _validate(prefix_output, prefix_lse, suffix_output, suffix_lse, output, output_lse,
-                        want_output_lse, num_ctx, has_output_scale, output_dtype)
+                        want_output_lse, num_ctx, output_scale, output_dtype)
     if problem.n == 0 or problem.h == 0:
         return Plan(problem.buffers, (), problem.results)
     config = config or CONFIGS[ITEMSIZE[problem.in_dtype]]
     return Plan(problem.buffers, (_launch(problem, config, prefix_output, prefix_lse, suffix_output,
-                                          suffix_lse, num_ctx, has_output_scale),), problem.results)
+                                          suffix_lse, num_ctx, output_scale is not None),),
+                problem.results)
 
 
 def _validate(prefix_output, prefix_lse, suffix_output, suffix_lse, output, output_lse,
-              want_output_lse, num_ctx, has_output_scale, output_dtype) -> _Problem:
+              want_output_lse, num_ctx, output_scale, output_dtype) -> _Problem:
+    has_output_scale = output_scale is not None
+    if has_output_scale and (math.prod(output_scale.shape) != 1 or output_scale.dtype != "float32"):
+        raise ValueError("output_scale: expected a 1-element float32 array, got shape "
+                         f"{tuple(output_scale.shape)} dtype {output_scale.dtype}")
     check_ndim("prefix_output", prefix_output, 3, "[N, H, D]")
     check_dtype("prefix_output", prefix_output, FLOAT_DTYPES)
     n, h, d = prefix_output.shape

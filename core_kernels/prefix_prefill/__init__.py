@@ -1,4 +1,4 @@
-from .plan import plan_prefix_prefill, tile_config
+from .plan import PrefixPrefillConfig, plan_prefix_prefill
 from .reference import context_attention_reference
 
-__all__ = ["plan_prefix_prefill", "tile_config", "context_attention_reference"]
+__all__ = ["PrefixPrefillConfig", "plan_prefix_prefill", "context_attention_reference"]

@@ -18,7 +18,7 @@ dereferenced). Tiles outside the visible range are skipped entirely.
 import triton
 import triton.language as tl
 
-from .._triton_utils import round_to_fp8_grid
+from .._triton_utils import jit, round_to_fp8_grid
 
 # Finite "minus infinity" for the running max: keeps exp2(m_old - m_new) and
 # exp2(-inf - m) free of inf - inf while a row has seen no visible key yet.
@@ -196,7 +196,7 @@ def _attend(
     return acc, l_i, m_i
 
 
-@triton.jit
+@jit
 def _prefix_prefill_kernel(
     # input pointers
     q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
@@ -204,8 +204,8 @@ def _prefix_prefill_kernel(
     k_scale_ptr, v_scale_ptr, alibi_ptr, sinks_ptr, out_scale_ptr, out_in_ptr,
     k_scr_ptr, v_scr_ptr,
     # runtime scalars (the block table's strides and the scratch's tokens per
-    # sequence, as 2 * ctx_cap + 1: the table's width changes per batch)
-    stride_bl_b, stride_bl_n, ctx_cap_odd,
+    # sequence: the table's width changes per batch)
+    stride_bl_b, stride_bl_n, ctx_cap,
     # output pointers
     out_ptr,
     # constexprs
@@ -219,14 +219,16 @@ def _prefix_prefill_kernel(
     SKIP_DECODE: tl.constexpr, OUT_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
     FP8_MANT_BITS: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr,
     FP8_SUBNORMAL_MAGIC: tl.constexpr,
-    # NOTE: every tensor stride is a constexpr (fixed per model and cache
-    # layout). As runtime ints, jax-triton gives them no divisibility-by-16
-    # specialisation (torch's launcher does), so the two frameworks compiled
-    # different code: JAX's lost the 16-byte vector loads of the cache (seen
-    # 1.2-1.5x slower on the H200) and the two disagreed in the last bit with
-    # alibi (different FMA contraction). Constexprs make both compile the same
-    # kernel. Likewise a cache stride such as x = 8 must be known to keep the
-    # 16-byte alignment of each x-vector.
+    # NOTE: every tensor stride is a constexpr: a layout constant (fixed per
+    # model and cache layout), which the integer policy allows (see
+    # core_kernels._triton_utils.jit). As runtime ints they would never be
+    # specialised on divisibility by 16 (the policy; jax-triton never does),
+    # and the kernel lost the 16-byte vector loads of the cache: JAX's launch,
+    # compiled that way while torch's launcher still specialised them, was
+    # 1.2-1.5x slower on the H200, and the two disagreed in the last bit with
+    # alibi (different FMA contraction). Constexprs give both launchers the
+    # same, fully aligned kernel. Likewise a cache stride such as x = 8 must be
+    # known to keep the 16-byte alignment of each x-vector.
     stride_q_t: tl.constexpr, stride_q_h: tl.constexpr, stride_q_d: tl.constexpr,
     stride_k_t: tl.constexpr, stride_k_h: tl.constexpr, stride_k_d: tl.constexpr,
     stride_v_t: tl.constexpr, stride_v_h: tl.constexpr, stride_v_d: tl.constexpr,
@@ -301,7 +303,6 @@ def _prefix_prefill_kernel(
         if CACHE_DENSE:
             # the context was gathered into [B, Hkv, ctx_cap, D] scratch
             # (_prefix_prefill_gather_kernel): dense tiles, like the new tokens
-            ctx_cap = ctx_cap_odd // 2
             scr_row = (i_b * NUM_KV_HEADS + i_kvh).to(tl.int64) * ctx_cap * HEAD_D
             kc_base = k_scr_ptr + scr_row
             vc_base = v_scr_ptr + scr_row
@@ -357,12 +358,12 @@ def _prefix_prefill_kernel(
         tl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
 
 
-@triton.jit
+@jit
 def _prefix_prefill_gather_kernel(
     # input pointers
     k_cache_ptr, v_cache_ptr, b_loc_ptr, b_start_loc_ptr, b_seq_len_ptr,
-    # runtime scalars (ctx_cap_odd = 2 * tokens per sequence in the scratch + 1)
-    stride_bl_b, stride_bl_n, ctx_cap_odd,
+    # runtime scalars (ctx_cap = tokens per sequence in the scratch)
+    stride_bl_b, stride_bl_n, ctx_cap,
     # output pointers: [B, Hkv, ctx_cap, D] each, in the cache dtype (q's for fp8)
     k_scr_ptr, v_scr_ptr,
     # constexprs
@@ -384,7 +385,6 @@ def _prefix_prefill_gather_kernel(
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
-    ctx_cap = ctx_cap_odd // 2
     q_len = tl.load(b_start_loc_ptr + i_b + 1).to(tl.int32) - tl.load(b_start_loc_ptr + i_b).to(tl.int32)
     ctx_len = tl.load(b_seq_len_ptr + i_b).to(tl.int32) - q_len
     lo = 0

@@ -1,14 +1,15 @@
 """Validation and launch plan for context_attention_fwd (framework-free)."""
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import math
 
 import numpy as np
 
 from .._plan import (FLOAT_DTYPES, FP8_DTYPES, FP8_MAX, INT_DTYPES, ITEMSIZE, ArrayInfo, Buffer,
-                     Launch, Plan, Scalar, cdiv, check_dtype, check_ndim, check_shape, forced_setting,
-                     memoize, next_pow2, setting)
+                     Launch, Plan, Scalar, cdiv, check_config, check_dtype, check_ndim, check_shape,
+                     config_class, memoize, next_pow2)
+from .._target import Target
 from .._triton_utils import FP8_ROUNDING
 from .kernels import _prefix_prefill_gather_kernel, _prefix_prefill_kernel
 
@@ -17,10 +18,28 @@ LOG2E = 1.4426950408889634
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
                    "fp8_e5m2": "float8_e5m2"}
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, pack GQA heads into rows, block ids
-# prefetched how many tiles ahead) by (query itemsize, BLOCK_D), for the paged
-# path (context read through the block table in the loop); GATHER_TILE_CONFIGS
-# below overrides them when the context is gathered into dense scratch.
+
+@config_class
+class PrefixPrefillConfig:
+    """Tiling of _prefix_prefill_kernel: BLOCK_M query rows x BLOCK_N keys per
+    tile (powers of two >= 16; BLOCK_M shrinks for short queries), ``num_warps``,
+    ``num_stages``; ``pack_gqa`` puts the query heads of one kv head in the rows
+    of one tile; ``prefetch_ids`` loads the paged path's block ids that many
+    tiles ahead (0-2); ``gather`` True / False forces the dense scratch copy of
+    the context (_prefix_prefill_gather_kernel) on / off, None chooses it."""
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    pack_gqa: bool = True
+    prefetch_ids: int = 1
+    gather: bool | None = None
+
+
+C = PrefixPrefillConfig
+# Tiles by (query itemsize, BLOCK_D), for the paged path (context read through
+# the block table in the loop); GATHER_TILE_CONFIGS below overrides them when
+# the context is gathered into dense scratch.
 # NOTE: measured on the H200 (bench_prefix_prefill.py, Llama-8B heads, cache
 # block 16, three runs): for 16-bit D=128, (128, 128, 8, 3) beat (128, 64, 8, 3)
 # by 7-9% at B=4 x q=1024 over ctx=4096 (1211-1273 vs 1325-1366 us) and by
@@ -31,14 +50,14 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m
 # K/V loads asynchronous (SASS) and is no faster. Other head sizes and fp32
 # keep untuned starting points.
 TILE_CONFIGS = {
-    (2, 16): (128, 64, 4, 3, True, 1), (2, 32): (128, 64, 4, 3, True, 1),
-    (2, 64): (128, 64, 4, 3, True, 1), (2, 128): (128, 128, 8, 3, True, 1),
-    (2, 256): (64, 64, 4, 2, True, 1),
+    (2, 16): C(128, 64, 4, 3, True, 1), (2, 32): C(128, 64, 4, 3, True, 1),
+    (2, 64): C(128, 64, 4, 3, True, 1), (2, 128): C(128, 128, 8, 3, True, 1),
+    (2, 256): C(64, 64, 4, 2, True, 1),
     # NOTE: fp32 queries run tl.dot in tf32 on the GPU (the issue allows it);
     # twice the bytes per element, so half the tile.
-    (4, 16): (64, 64, 4, 2, True, 1), (4, 32): (64, 64, 4, 2, True, 1),
-    (4, 64): (64, 64, 4, 2, True, 1), (4, 128): (64, 32, 4, 2, True, 1),
-    (4, 256): (32, 32, 4, 2, True, 1),
+    (4, 16): C(64, 64, 4, 2, True, 1), (4, 32): C(64, 64, 4, 2, True, 1),
+    (4, 64): C(64, 64, 4, 2, True, 1), (4, 128): C(64, 32, 4, 2, True, 1),
+    (4, 256): C(32, 32, 4, 2, True, 1),
 }
 
 # Context gathered into dense scratch first (one cheap copy kernel), so the
@@ -58,22 +77,175 @@ TILE_CONFIGS = {
 # 3.2 TB/s). With the context dense, (128, 64, 8, 3) equals (128, 128, 8, 3)
 # there (741 vs 742-766 us) and wins on causal q=8192 (1171 vs 1225 us) and
 # B=16 x q=256 (420 vs 447 us); num_stages 2 or 4 and BLOCK_M=64 were slower.
-GATHER_TILE_CONFIGS = {(2, 128): (128, 64, 8, 3, True, 0)}
+GATHER_TILE_CONFIGS = {(2, 128): C(128, 64, 8, 3, True, 0, gather=True)}
 GATHER_MIN_REUSE = 2
 GATHER_MAX_BYTES = 256 << 20
+del C
 
 
-@contextlib.contextmanager
-def tile_config(block_m: int, block_n: int, num_warps: int = 4, num_stages: int = 2,
-                pack_gqa: bool = True, prefetch_ids: int = 1, gather=None):
-    """Force one tile configuration for plans made inside the block (tests,
-    benchmarks); ``gather`` None = automatic, True / False = force the dense
-    scratch copy of the context on / off. Part of the plan's cache key (and,
-    as a forced setting, of the keys of the adapters' plan caches), so cached
-    plans never mix."""
-    with forced_setting("prefix_prefill.tile", (block_m, block_n, num_warps, num_stages, pack_gqa,
-                                                prefetch_ids, gather)):
-        yield
+@dataclasses.dataclass(frozen=True)
+class _Problem:
+    t: int
+    hq: int
+    hkv: int
+    d: int
+    block_d: int              # the head size padded to a power of two >= 16
+    group: int                # query heads per kv head
+    bsz: int
+    block_size: int
+    x: int
+    max_input_len: int
+    q_dtype: str
+    fp8: str | None           # the fp8 format the cache holds; None: q's dtype
+    scratch_dtype: str        # dtype of the gathered context (q's for an fp8 cache)
+    out_fp8: str | None       # the output's fp8 format (with fp8_out_scale), else None
+    window: int               # 0: no sliding window
+    scale: float              # softmax scale
+    alibi: bool
+    sinks: bool
+    skip_decode: bool
+    ctx_cap: int              # scratch tokens per sequence (block-table width x block size)
+    offs32: bool              # every cache offset fits in int32
+    strides: dict             # the kernels' stride constexprs by parameter name
+    table_strides: tuple      # b_loc's (runtime scalars)
+    out_in: str               # buffer read as the output's old values (a dummy when allocated)
+    buffers: dict
+
+    @property
+    def key(self) -> tuple:
+        """(query itemsize, BLOCK_D): the tile tables' key."""
+        return (4 if self.q_dtype == "float32" else 2, self.block_d)
+
+
+@memoize
+def plan_prefix_prefill(target: Target, q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len,
+                        output=None, k_scale=None, v_scale=None, alibi_slopes=None,
+                        sinks=None, fp8_out_scale=None, *, max_input_len: int,
+                        kv_cache_dtype: str = "auto", sliding_window=None, sm_scale=None,
+                        skip_decode: bool = False, output_dtype: str | None = None,
+                        config: PrefixPrefillConfig | None = None) -> Plan:
+    """Plan prefix-prefill attention (spec: shared/specs/prefix_prefill.md).
+
+    Array arguments are ArrayInfo (``output`` / ``k_scale`` / ``v_scale`` /
+    ``alibi_slopes`` / ``sinks`` / ``fp8_out_scale`` may be None = absent).
+    ``output`` given: the launch updates that array in place (torch; JAX
+    aliases it), so rows skipped by ``skip_decode`` keep their values;
+    otherwise the plan allocates a zero-filled output. Scales are 1-element
+    float32 device arrays named like their argument; the block table, start
+    offsets and lengths are device data, so new values never recompile.
+    ``config`` overrides the tiling chosen from TILE_CONFIGS / GATHER_TILE_CONFIGS.
+    """
+    check_config(config, (PrefixPrefillConfig,))
+    if config is not None:
+        _check_tiles(config)
+    problem = _validate(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, output, k_scale,
+                        v_scale, alibi_slopes, sinks, fp8_out_scale, int(max_input_len),
+                        kv_cache_dtype, sliding_window, sm_scale, bool(skip_decode), output_dtype)
+    if problem.t == 0 or problem.bsz == 0 or problem.hq == 0 or problem.max_input_len == 0:
+        return Plan(problem.buffers, (), ("output",))
+    config, pack = _choose_config(problem, config)
+    buffers = dict(problem.buffers)
+    launches = []
+    if config.gather:
+        for name in ("k_scratch", "v_scratch"):
+            buffers[name] = Buffer((problem.bsz, problem.hkv, problem.ctx_cap, problem.d),
+                                   problem.scratch_dtype)
+        launches.append(_gather_launch(problem))
+    launches.append(_attention_launch(problem, config, pack))
+    return Plan(buffers, tuple(launches), ("output",))
+
+
+def _check_tiles(config: PrefixPrefillConfig) -> None:
+    pow2 = lambda n: isinstance(n, int) and n >= 1 and n & (n - 1) == 0  # noqa: E731
+    if not (pow2(config.block_m) and pow2(config.block_n) and min(config.block_m, config.block_n) >= 16):
+        raise ValueError(f"config: block_m and block_n must be powers of two >= 16, got {config}")
+    if not pow2(config.num_warps) or config.num_stages < 1 or config.prefetch_ids not in (0, 1, 2):
+        raise ValueError(f"config: expected num_warps a power of two, num_stages >= 1 and "
+                         f"prefetch_ids 0, 1 or 2, got {config}")
+    if config.gather not in (None, True, False):
+        raise ValueError(f"config: gather must be None (automatic), True or False, got {config}")
+
+
+# ---------------------------------------------------------------- validate
+def _validate(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, output, k_scale, v_scale,
+              alibi_slopes, sinks, fp8_out_scale, max_input_len, kv_cache_dtype, sliding_window,
+              sm_scale, skip_decode, output_dtype) -> _Problem:
+    t, hq, hkv, d = _check_tokens(q, k, v)
+    block_size, x, fp8 = _check_cache(k_cache, v_cache, hkv, d, kv_cache_dtype, q.dtype)
+    _check_scalar_array("k_scale", k_scale, fp8 is not None)
+    _check_scalar_array("v_scale", v_scale, fp8 is not None)
+    check_ndim("b_loc", b_loc, 2, "[B, max_blocks_per_seq]")
+    bsz = b_loc.shape[0]
+    check_shape("b_start_loc", b_start_loc, (bsz + 1,), "[B + 1]")
+    check_shape("b_seq_len", b_seq_len, (bsz,), "[B]")
+    for name, info in (("b_loc", b_loc), ("b_start_loc", b_start_loc), ("b_seq_len", b_seq_len)):
+        check_dtype(name, info, INT_DTYPES)
+    for name, info in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if info is not None:
+            check_shape(name, info, (hq,), "[Hq]")
+            check_dtype(name, info, FLOAT_DTYPES)
+    if max_input_len < 0:
+        raise ValueError(f"max_input_len: must be >= 0, got {max_input_len}")
+    sm_scale = None if sm_scale is None else float(sm_scale)
+    if sm_scale is not None and not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale: must be finite, got {sm_scale}")
+    out_fp8, output, out_in, buffers = _check_output(output, fp8_out_scale, output_dtype, q, (t, hq, d))
+
+    window = int(sliding_window) if sliding_window is not None and sliding_window > 0 else 0
+    names = ("stride_q_t", "stride_q_h", "stride_q_d", "stride_k_t", "stride_k_h", "stride_k_d",
+             "stride_v_t", "stride_v_h", "stride_v_d", "stride_o_t", "stride_o_h", "stride_o_d")
+    strides = dict(zip(names, (*q.strides, *k.strides, *v.strides, *output.strides)))
+    strides.update(zip(("stride_kc_b", "stride_kc_h", "stride_kc_dx", "KC_STRIDE_T", "KC_STRIDE_X"),
+                       k_cache.strides))
+    strides.update(zip(("stride_vc_b", "stride_vc_h", "stride_vc_d", "VC_STRIDE_T"), v_cache.strides))
+    # every cache offset (block, head, channel, token) fits in int32?
+    offs32 = all(sum((n - 1) * st for n, st in zip(c.shape, c.strides)) < 2 ** 31
+                 for c in (k_cache, v_cache))
+    return _Problem(
+        t=t, hq=hq, hkv=hkv, d=d, block_d=max(16, next_pow2(d)), group=hq // hkv, bsz=bsz, block_size=block_size, x=x, max_input_len=max_input_len,
+        q_dtype=q.dtype, fp8=fp8, scratch_dtype=q.dtype if fp8 else k_cache.dtype, out_fp8=out_fp8,
+        window=window, scale=1.0 / math.sqrt(d) if sm_scale is None else sm_scale,
+        alibi=alibi_slopes is not None, sinks=sinks is not None, skip_decode=skip_decode,
+        ctx_cap=b_loc.shape[1] * block_size, offs32=offs32, strides=strides,
+        table_strides=tuple(b_loc.strides), out_in=out_in, buffers=buffers)
+
+
+def _check_tokens(q, k, v):
+    """(T, Hq, Hkv, D) of the new tokens' q, k, v."""
+    check_ndim("q", q, 3, "[T, Hq, D]")
+    check_dtype("q", q, FLOAT_DTYPES)
+    t, hq, d = q.shape
+    check_ndim("k", k, 3, "[T, Hkv, D]")
+    hkv = k.shape[1]
+    check_shape("k", k, (t, hkv, d), "[T, Hkv, D]")
+    check_shape("v", v, (t, hkv, d), "same as k")
+    for name, info in (("k", k), ("v", v)):
+        if info.dtype != q.dtype:
+            raise TypeError(f"{name}: dtype {info.dtype} differs from q's {q.dtype}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"q: {hq} query heads is not a multiple of k's {hkv} kv heads")
+    if not 1 <= d <= MAX_HEAD_SIZE:
+        raise ValueError(f"q: head size {d} is not in [1, {MAX_HEAD_SIZE}]")
+    return t, hq, hkv, d
+
+
+def _check_cache(k_cache, v_cache, hkv, d, kv_cache_dtype, q_dtype):
+    """(block_size, x, fp8 format or None) of the paged cache."""
+    check_ndim("k_cache", k_cache, 5, "[num_blocks, Hkv, D // x, block_size, x]")
+    num_blocks, _, _, block_size, x = k_cache.shape
+    if x < 1 or d % x:
+        raise ValueError(f"k_cache: x = shape[4] = {x} must divide the head size {d}")
+    check_shape("k_cache", k_cache, (num_blocks, hkv, d // x, block_size, x),
+                "[num_blocks, Hkv, D // x, block_size, x]")
+    if block_size < 1:
+        raise ValueError(f"k_cache: block_size = shape[3] must be positive, got {block_size}")
+    check_ndim("v_cache", v_cache, 4, "[num_blocks, Hkv, D, block_size]")
+    check_shape("v_cache", v_cache, (num_blocks, hkv, d, block_size),
+                "[num_blocks, Hkv, D, block_size]")
+    fp8 = _fp8_format("k_cache", k_cache, kv_cache_dtype, q_dtype)
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"v_cache: dtype {v_cache.dtype} differs from k_cache's {k_cache.dtype}")
+    return block_size, x, fp8
 
 
 def _fp8_format(name: str, info: ArrayInfo, kv_cache_dtype: str, q_dtype: str):
@@ -109,79 +281,9 @@ def _check_scalar_array(name: str, info: ArrayInfo | None, needed: bool):
                          f"{tuple(info.shape)} dtype {info.dtype}")
 
 
-def plan_prefix_prefill(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len,
-                        output=None, k_scale=None, v_scale=None, alibi_slopes=None,
-                        sinks=None, fp8_out_scale=None, *, max_input_len: int,
-                        kv_cache_dtype: str = "auto", sliding_window=None, sm_scale=None,
-                        skip_decode: bool = False, output_dtype: str | None = None) -> Plan:
-    """Plan prefix-prefill attention (spec: shared/specs/prefix_prefill.md).
-
-    Array arguments are ArrayInfo (``output`` / ``k_scale`` / ``v_scale`` /
-    ``alibi_slopes`` / ``sinks`` / ``fp8_out_scale`` may be None = absent).
-    ``output`` given: the launch updates that array in place (torch; JAX
-    aliases it), so rows skipped by ``skip_decode`` keep their values;
-    otherwise the plan allocates a zero-filled output. Scales are 1-element
-    float32 device arrays named like their argument; the block table, start
-    offsets and lengths are device data, so new values never recompile.
-    """
-    return _plan(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, output, k_scale,
-                 v_scale, alibi_slopes, sinks, fp8_out_scale, int(max_input_len), kv_cache_dtype,
-                 None if sliding_window is None else int(sliding_window),
-                 None if sm_scale is None else float(sm_scale), bool(skip_decode),
-                 output_dtype, setting("prefix_prefill.tile"))
-
-
-@memoize
-def _plan(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, output, k_scale, v_scale,
-          alibi_slopes, sinks, fp8_out_scale, max_input_len, kv_cache_dtype, sliding_window,
-          sm_scale, skip_decode, output_dtype, config) -> Plan:
-    check_ndim("q", q, 3, "[T, Hq, D]")
-    check_dtype("q", q, FLOAT_DTYPES)
-    t, hq, d = q.shape
-    check_ndim("k", k, 3, "[T, Hkv, D]")
-    hkv = k.shape[1]
-    check_shape("k", k, (t, hkv, d), "[T, Hkv, D]")
-    check_shape("v", v, (t, hkv, d), "same as k")
-    for name, info in (("k", k), ("v", v)):
-        if info.dtype != q.dtype:
-            raise TypeError(f"{name}: dtype {info.dtype} differs from q's {q.dtype}")
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"q: {hq} query heads is not a multiple of k's {hkv} kv heads")
-    if not 1 <= d <= MAX_HEAD_SIZE:
-        raise ValueError(f"q: head size {d} is not in [1, {MAX_HEAD_SIZE}]")
-
-    check_ndim("k_cache", k_cache, 5, "[num_blocks, Hkv, D // x, block_size, x]")
-    num_blocks, _, _, block_size, x = k_cache.shape
-    if x < 1 or d % x:
-        raise ValueError(f"k_cache: x = shape[4] = {x} must divide the head size {d}")
-    check_shape("k_cache", k_cache, (num_blocks, hkv, d // x, block_size, x),
-                "[num_blocks, Hkv, D // x, block_size, x]")
-    if block_size < 1:
-        raise ValueError(f"k_cache: block_size = shape[3] must be positive, got {block_size}")
-    check_ndim("v_cache", v_cache, 4, "[num_blocks, Hkv, D, block_size]")
-    check_shape("v_cache", v_cache, (num_blocks, hkv, d, block_size),
-                "[num_blocks, Hkv, D, block_size]")
-    fp8 = _fp8_format("k_cache", k_cache, kv_cache_dtype, q.dtype)
-    if v_cache.dtype != k_cache.dtype:
-        raise TypeError(f"v_cache: dtype {v_cache.dtype} differs from k_cache's {k_cache.dtype}")
-    _check_scalar_array("k_scale", k_scale, fp8 is not None)
-    _check_scalar_array("v_scale", v_scale, fp8 is not None)
-
-    check_ndim("b_loc", b_loc, 2, "[B, max_blocks_per_seq]")
-    bsz = b_loc.shape[0]
-    check_shape("b_start_loc", b_start_loc, (bsz + 1,), "[B + 1]")
-    check_shape("b_seq_len", b_seq_len, (bsz,), "[B]")
-    for name, info in (("b_loc", b_loc), ("b_start_loc", b_start_loc), ("b_seq_len", b_seq_len)):
-        check_dtype(name, info, INT_DTYPES)
-    for name, info in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
-        if info is not None:
-            check_shape(name, info, (hq,), "[Hq]")
-            check_dtype(name, info, FLOAT_DTYPES)
-    if max_input_len < 0:
-        raise ValueError(f"max_input_len: must be >= 0, got {max_input_len}")
-    if sm_scale is not None and not math.isfinite(sm_scale):
-        raise ValueError(f"sm_scale: must be finite, got {sm_scale}")
-
+def _check_output(output, fp8_out_scale, output_dtype, q, shape):
+    """(output fp8 format or None, output layout, buffer read as the old output,
+    buffers to allocate)."""
     has_out_scale = fp8_out_scale is not None
     _check_scalar_array("fp8_out_scale", fp8_out_scale, False)
     out_dtype = output.dtype if output is not None else (
@@ -192,107 +294,104 @@ def _plan(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, output, k_sc
             raise ValueError("fp8_out_scale: an fp8 output needs fp8_out_scale")
         raise TypeError(f"output: dtype {out_dtype} is not valid here; expected {expected}"
                         + (" when fp8_out_scale is given" if has_out_scale else " (q's dtype)"))
-    buffers = {}
-    if output is None:
-        # rows of no sequence (and skip_decode rows) read as zeros
-        buffers["output"] = Buffer((t, hq, d), out_dtype, zero_init=True)
-        output = ArrayInfo.contiguous((t, hq, d), out_dtype)
-        out_in = "q"  # dummy: the kernel never reads it
-    else:
-        check_shape("output", output, (t, hq, d), "[T, Hq, D]")
-        out_in = "output"
-    if t == 0 or bsz == 0 or hq == 0 or max_input_len == 0:
-        return Plan(buffers, (), ("output",))
-
-    block_d = max(16, next_pow2(d))
-    itemsize = 4 if q.dtype == "float32" else 2
-    key = (itemsize, block_d)
-    group = hq // hkv
-
-    def rows_and_pack(block_m, pack_gqa):
-        # short queries (decode-heavy batches): no point in rows that never exist
-        rows_needed = max_input_len * (group if pack_gqa else 1)
-        block_m = max(16, min(block_m, next_pow2(rows_needed)))
-        # GQA packing needs whole head groups in a tile (powers of two divide BLOCK_M)
-        pack = group if pack_gqa and group & (group - 1) == 0 and group <= block_m else 1
-        return block_m, pack
-
-    block_m, block_n, num_warps, num_stages, pack_gqa, prefetch, gather = (
-        config or (*TILE_CONFIGS[key], None))
-    block_m, pack = rows_and_pack(block_m, pack_gqa)
-    window = sliding_window if sliding_window is not None and sliding_window > 0 else 0
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     out_fp8 = out_dtype if has_out_scale else None
+    if output is not None:
+        check_shape("output", output, shape, "[T, Hq, D]")
+        return out_fp8, output, "output", {}
+    # rows of no sequence (and skip_decode rows) read as zeros; the kernel never
+    # reads its old-output pointer then (q is a dummy)
+    return (out_fp8, ArrayInfo.contiguous(shape, out_dtype), "q",
+            {"output": Buffer(shape, out_dtype, zero_init=True)})
 
-    ctx_cap = b_loc.shape[1] * block_size  # scratch tokens per sequence
-    scratch_dtype = q.dtype if fp8 else k_cache.dtype
+
+# ---------------------------------------------------------------- config
+def _rows_and_pack(p: _Problem, config: PrefixPrefillConfig) -> tuple[int, int]:
+    """(BLOCK_M, PACK): the config's rows shrunk for short queries, and how many
+    query heads share a tile."""
+    # short queries (decode-heavy batches): no point in rows that never exist
+    rows_needed = p.max_input_len * (p.group if config.pack_gqa else 1)
+    block_m = max(16, min(config.block_m, next_pow2(rows_needed)))
+    # GQA packing needs whole head groups in a tile (powers of two divide BLOCK_M)
+    g = p.group
+    pack = g if config.pack_gqa and g & (g - 1) == 0 and g <= block_m else 1
+    return block_m, pack
+
+
+def _choose_config(p: _Problem, config: PrefixPrefillConfig | None):
+    """(config with block_m shrunk and gather decided, PACK): the override, or
+    the measured tables' choice."""
+    chosen = config or TILE_CONFIGS[p.key]
+    gather = chosen.gather
     if gather is None:  # automatic: only where measured (fp32 (64, 32) tiles: 4.1 vs 3.1 ms)
-        reuse = cdiv(max_input_len, block_m // pack)  # row tiles reading each cache tile
-        scratch_bytes = 2 * bsz * hkv * ctx_cap * d * ITEMSIZE[scratch_dtype]
-        gather = (key in GATHER_TILE_CONFIGS and reuse >= GATHER_MIN_REUSE
+        block_m, pack = _rows_and_pack(p, chosen)
+        reuse = cdiv(p.max_input_len, block_m // pack)  # row tiles reading each cache tile
+        scratch_bytes = 2 * p.bsz * p.hkv * p.ctx_cap * p.d * ITEMSIZE[p.scratch_dtype]
+        gather = (p.key in GATHER_TILE_CONFIGS and reuse >= GATHER_MIN_REUSE
                   and scratch_bytes <= GATHER_MAX_BYTES)
-    gather = bool(gather) and ctx_cap > 0
+    gather = bool(gather) and p.ctx_cap > 0
     if gather and config is None:
-        block_m, block_n, num_warps, num_stages, pack_gqa, prefetch = GATHER_TILE_CONFIGS[key]
-        block_m, pack = rows_and_pack(block_m, pack_gqa)
+        chosen = GATHER_TILE_CONFIGS[p.key]
+    block_m, pack = _rows_and_pack(p, chosen)
+    return dataclasses.replace(chosen, block_m=block_m, gather=gather), pack
 
-    names = ("stride_q_t", "stride_q_h", "stride_q_d", "stride_k_t", "stride_k_h", "stride_k_d",
-             "stride_v_t", "stride_v_h", "stride_v_d", "stride_o_t", "stride_o_h", "stride_o_d")
-    strides = dict(zip(names, (*q.strides, *k.strides, *v.strides, *output.strides)))
-    strides.update(zip(("stride_kc_b", "stride_kc_h", "stride_kc_dx", "KC_STRIDE_T", "KC_STRIDE_X"),
-                       k_cache.strides))
-    strides.update(zip(("stride_vc_b", "stride_vc_h", "stride_vc_d", "VC_STRIDE_T"), v_cache.strides))
-    # every cache offset (block, head, channel, token) fits in int32?
-    offs32 = all(sum((n - 1) * st for n, st in zip(c.shape, c.strides)) < 2 ** 31
-                 for c in (k_cache, v_cache))
-    # NOTE: the scratch's tokens per sequence is a runtime scalar (the block
-    # table's width changes per batch), passed odd (2 * ctx_cap + 1) so that
-    # neither torch's launcher (divisibility-16 / == 1 specialisation) nor
-    # jax-triton (none) specialises it: both compile the same kernel, so their
-    # results stay bitwise equal (see the constexpr strides NOTE in kernels.py).
-    launches = []
-    if gather:
-        for name in ("k_scratch", "v_scratch"):
-            buffers[name] = Buffer((bsz, hkv, ctx_cap, d), scratch_dtype)
-        gather_n = 32 if block_d > 128 else 64
-        launches.append(Launch(
-            kernel=_prefix_prefill_gather_kernel,
-            grid=(cdiv(ctx_cap, gather_n), hkv, bsz),
-            args=("k_cache", "v_cache", "b_loc", "b_start_loc", "b_seq_len",
-                  *(Scalar(s, "i64") for s in b_loc.strides), Scalar(2 * ctx_cap + 1, "i32")),
-            outputs=("k_scratch", "v_scratch"),
-            constexprs=dict(
-                HEAD_D=d, BLOCK_D=block_d, GATHER_N=gather_n, CACHE_BLOCK=block_size, X=x,
-                NUM_KV_HEADS=hkv, HAS_WINDOW=window > 0, WINDOW=window, SKIP_DECODE=skip_decode,
-                KV_FP8=fp8 is not None, FP8_E5M2=fp8 == "float8_e5m2",
-                **{n: strides[n] for n in ("stride_kc_b", "stride_kc_h", "stride_kc_dx",
-                                           "KC_STRIDE_T", "KC_STRIDE_X", "stride_vc_b",
-                                           "stride_vc_h", "stride_vc_d", "VC_STRIDE_T")}),
-            num_warps=4, num_stages=1))
-    launches.append(Launch(
-        kernel=_prefix_prefill_kernel,
-        grid=(cdiv(max_input_len, block_m // pack), hq // pack, bsz),
-        args=("q", "k", "v", "k_cache", "v_cache", "b_loc", "b_start_loc", "b_seq_len",
-              # absent optional arrays: any valid pointer, never read
-              "k_scale" if fp8 else "q", "v_scale" if fp8 else "q",
-              "alibi_slopes" if alibi_slopes is not None else "q",
-              "sinks" if sinks is not None else "q",
-              "fp8_out_scale" if has_out_scale else "q", out_in,
-              "k_scratch" if gather else "q", "v_scratch" if gather else "q",
-              *(Scalar(s, "i64") for s in b_loc.strides), Scalar(2 * ctx_cap + 1, "i32")),
-        outputs=("output",),
+
+# ---------------------------------------------------------------- launches
+# NOTE: the scratch's tokens per sequence (ctx_cap) is a runtime scalar (the
+# block table's width changes per batch); under the integer policy
+# (core_kernels._triton_utils.jit) torch's launcher and jax-triton specialise
+# it alike (only == 1), so their results stay bitwise equal (see the
+# constexpr strides NOTE in kernels.py).
+_CACHE_STRIDES = ("stride_kc_b", "stride_kc_h", "stride_kc_dx", "KC_STRIDE_T", "KC_STRIDE_X",
+                  "stride_vc_b", "stride_vc_h", "stride_vc_d", "VC_STRIDE_T")
+
+
+def _table_params(p: _Problem) -> dict:
+    """The block table and the sequences' extents, shared by both kernels."""
+    return dict(b_loc_ptr="b_loc", b_start_loc_ptr="b_start_loc", b_seq_len_ptr="b_seq_len",
+                stride_bl_b=Scalar(p.table_strides[0], "i64"),
+                stride_bl_n=Scalar(p.table_strides[1], "i64"), ctx_cap=Scalar(p.ctx_cap, "i32"))
+
+
+def _gather_launch(p: _Problem) -> Launch:
+    gather_n = 32 if p.block_d > 128 else 64
+    return Launch(
+        kernel=_prefix_prefill_gather_kernel,
+        grid=(cdiv(p.ctx_cap, gather_n), p.hkv, p.bsz),
+        params=dict(k_cache_ptr="k_cache", v_cache_ptr="v_cache", **_table_params(p),
+                    k_scr_ptr="k_scratch", v_scr_ptr="v_scratch"),
+        writes=("k_scr_ptr", "v_scr_ptr"),
         constexprs=dict(
-            QK_SCALE2=float(np.float32(scale * LOG2E)), HEAD_D=d, BLOCK_D=block_d,
-            BLOCK_M=block_m, BLOCK_N=block_n, CACHE_BLOCK=block_size, X=x,
-            ID_RUN=math.gcd(block_n, block_size), GROUP=group, PACK=pack, PREFETCH_IDS=int(prefetch),
-            CACHE_DENSE=gather, OFFS32=offs32, NUM_KV_HEADS=hkv,
-            KV_FP8=fp8 is not None, FP8_E5M2=fp8 == "float8_e5m2",
-            HAS_ALIBI=alibi_slopes is not None, HAS_WINDOW=window > 0, WINDOW=window,
-            HAS_SINKS=sinks is not None, SKIP_DECODE=skip_decode, OUT_FP8=has_out_scale,
-            FP8_MAX=FP8_MAX.get(out_fp8, 0.0),
+            HEAD_D=p.d, BLOCK_D=p.block_d, GATHER_N=gather_n, CACHE_BLOCK=p.block_size, X=p.x,
+            NUM_KV_HEADS=p.hkv, HAS_WINDOW=p.window > 0, WINDOW=p.window, SKIP_DECODE=p.skip_decode,
+            KV_FP8=p.fp8 is not None, FP8_E5M2=p.fp8 == "float8_e5m2",
+            **{n: p.strides[n] for n in _CACHE_STRIDES}),
+        num_warps=4, num_stages=1)
+
+
+def _attention_launch(p: _Problem, config: PrefixPrefillConfig, pack: int) -> Launch:
+    dense = config.gather
+    return Launch(
+        kernel=_prefix_prefill_kernel,
+        grid=(cdiv(p.max_input_len, config.block_m // pack), p.hq // pack, p.bsz),
+        params=dict(
+            q_ptr="q", k_ptr="k", v_ptr="v", k_cache_ptr="k_cache", v_cache_ptr="v_cache",
+            # absent optional arrays: any valid pointer, never read
+            k_scale_ptr="k_scale" if p.fp8 else "q", v_scale_ptr="v_scale" if p.fp8 else "q",
+            alibi_ptr="alibi_slopes" if p.alibi else "q", sinks_ptr="sinks" if p.sinks else "q",
+            out_scale_ptr="fp8_out_scale" if p.out_fp8 else "q", out_in_ptr=p.out_in,
+            k_scr_ptr="k_scratch" if dense else "q", v_scr_ptr="v_scratch" if dense else "q",
+            **_table_params(p), out_ptr="output"),
+        writes=("out_ptr",),
+        constexprs=dict(
+            QK_SCALE2=float(np.float32(p.scale * LOG2E)), HEAD_D=p.d, BLOCK_D=p.block_d,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, CACHE_BLOCK=p.block_size, X=p.x,
+            ID_RUN=math.gcd(config.block_n, p.block_size), GROUP=p.group, PACK=pack,
+            PREFETCH_IDS=int(config.prefetch_ids), CACHE_DENSE=dense, OFFS32=p.offs32,
+            NUM_KV_HEADS=p.hkv, KV_FP8=p.fp8 is not None, FP8_E5M2=p.fp8 == "float8_e5m2",
+            HAS_ALIBI=p.alibi, HAS_WINDOW=p.window > 0, WINDOW=p.window, HAS_SINKS=p.sinks,
+            SKIP_DECODE=p.skip_decode, OUT_FP8=p.out_fp8 is not None,
+            FP8_MAX=FP8_MAX.get(p.out_fp8, 0.0),
             **dict(zip(("FP8_MANT_BITS", "FP8_MIN_NORMAL", "FP8_SUBNORMAL_MAGIC"),
-                       FP8_ROUNDING.get(out_fp8, (0, 0.0, 0.0)))),
-            **strides),
-        num_warps=num_warps, num_stages=num_stages,
-    ))
-    return Plan(buffers, tuple(launches), ("output",))
+                       FP8_ROUNDING.get(p.out_fp8, (0, 0.0, 0.0)))),
+            **p.strides),
+        num_warps=config.num_warps, num_stages=config.num_stages)

@@ -1,0 +1,172 @@
+"""The launch contract shared by every op: Target, launches by parameter name,
+the integer policy, configs, and the jax-triton Gluon bridge's gate."""
+import types
+
+import numpy as np
+import pytest
+import triton
+import triton.language as tl
+
+from core_kernels._plan import (ArrayInfo, Launch, Scalar, decode_config, encode_config,
+                                kernel_signature, pow2_divisor)
+from core_kernels._target import Target
+from core_kernels._triton_utils import jit
+from core_kernels.merge_attn_states import MergeConfig, plan_merge_attn_states
+from harness import GPU
+
+
+@jit
+def _toy_kernel(x_ptr, n, stride_x, y_ptr, BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + o * (stride_x * ALIGN), mask=o < n)
+    tl.store(y_ptr + o, v, mask=o < n)
+
+
+@triton.jit
+def _plain_kernel(x_ptr, n, y_ptr, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    tl.store(y_ptr + o, tl.load(x_ptr + o, mask=o < n), mask=o < n)
+
+
+def _toy(**changes):
+    kw = dict(kernel=_toy_kernel, grid=(1,),
+              params=dict(x_ptr="x", n=Scalar(5), stride_x=Scalar(24, align="ALIGN"), y_ptr="y"),
+              writes=("y_ptr",), constexprs=dict(BLOCK=8))
+    kw.update(changes)
+    return Launch(**kw)
+
+
+def test_jit_marks_every_runtime_int_and_no_pointer():
+    sig = {name: (const, no_align) for name, const, no_align in kernel_signature(_toy_kernel)}
+    assert sig["n"] == (False, True) and sig["stride_x"] == (False, True)
+    assert sig["x_ptr"] == (False, False) and sig["y_ptr"] == (False, False)
+    assert sig["BLOCK"][0] and sig["ALIGN"][0]
+
+
+def test_launch_resolves_names_and_alignment_groups():
+    launch = _toy()
+    assert launch.args == ("x", Scalar(5), Scalar(3))  # 24 = 3 x 8: passed divided by its group's 8
+    assert launch.outputs == ("y",)
+    assert launch.constexprs == dict(BLOCK=8, ALIGN=8)
+
+
+@pytest.mark.parametrize("values,expected", [((24,), 8), ((32, 48), 16), ((0, 6), 2), ((7,), 1),
+                                             ((0,), 16), ((64, 1024, 2 ** 40), 16)])
+def test_pow2_divisor(values, expected):
+    assert pow2_divisor(*values) == expected
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(params=dict(x_ptr="x", n=Scalar(5), y_ptr="y")), "missing \\['stride_x'\\]"),
+    (dict(params=dict(x_ptr="x", n=Scalar(5), stride_x=Scalar(1), y_ptr="y", z=Scalar(1))),
+     "unknown \\['z'\\]"),
+    (dict(params=dict(x_ptr=Scalar(0), n=Scalar(5), stride_x=Scalar(1), y_ptr="y")), "x_ptr takes a buffer"),
+    (dict(params=dict(x_ptr="x", n="n", stride_x=Scalar(1), y_ptr="y")), "n takes a Scalar"),
+    (dict(writes=("x_ptr",)), "last runtime parameters"),
+    (dict(constexprs=dict(BLOCK=8, ALIGN=4)), "alignment group ALIGN"),
+    (dict(constexprs=dict()), "missing \\['BLOCK'\\]"),
+    (dict(constexprs=dict(BLOCK=8, EXTRA=1)), "unknown \\['EXTRA'\\]"),
+    (dict(params=dict(x_ptr="x", n=Scalar("n", align="ALIGN"), stride_x=Scalar(1, align="ALIGN"),
+                      y_ptr="y")), "runtime value"),
+])
+def test_launch_is_checked_against_the_signature(changes, match):
+    with pytest.raises(TypeError, match=match):
+        _toy(**changes)
+
+
+def test_kernel_outside_the_integer_policy_is_refused():
+    with pytest.raises(TypeError, match="specialised on alignment"):
+        Launch(_plain_kernel, (1,), dict(x_ptr="x", n=Scalar(3), y_ptr="y"), ("y_ptr",), dict(BLOCK=4))
+
+
+def test_target():
+    t = Target.interpreter()
+    assert t.interpret and not t.gluon and not t.hopper and t.num_sms == 132
+    assert Target("cuda", 90, 132, gluon=True).hopper
+    assert not Target("cuda", 100, 148, gluon=True).hopper
+    with pytest.raises(ValueError, match="backend"):
+        Target("rocm", 90, 100)
+    with pytest.raises(ValueError, match="num_sms"):
+        Target("cuda", 90, 0)
+
+
+def test_plans_are_cached_per_target():
+    o, lse = ArrayInfo.contiguous((64, 4, 32), "float32"), ArrayInfo.contiguous((4, 64), "float32")
+    a = plan_merge_attn_states(Target.interpreter(), o, lse, o, lse)
+    b = plan_merge_attn_states(Target("cuda", 90, 132, gluon=True), o, lse, o, lse)
+    assert a is plan_merge_attn_states(Target.interpreter(), o, lse, o, lse)
+    assert a is not b
+
+
+def test_config_round_trip_and_refusal():
+    cfg = MergeConfig(512, 2, "evict_first")
+    assert decode_config(encode_config(cfg)) == cfg
+    assert encode_config(None) is None and decode_config(None) is None
+
+    class Stranger:
+        pass
+    with pytest.raises(TypeError, match="config"):
+        encode_config(Stranger())
+
+
+def test_torch_target_of_cpu_tensors_is_the_interpreter():
+    import torch
+    from adapters.torch._executor import target_for
+    assert target_for(torch.device("cpu")).interpret
+
+
+@pytest.mark.skipif(GPU, reason="CPU machine: JAX's target is the interpreter")
+def test_jax_target_without_a_gpu_is_the_interpreter():
+    from adapters.jax._executor import target
+    assert target().interpret
+
+
+# ---------------------------------------------------------------- Gluon bridge
+def _fake_jax_triton(complete=True):
+    lib = types.SimpleNamespace()
+    if complete:
+        lib.code_gen = types.ModuleType("fake_code_gen")
+        lib.compile_ttir_to_ptx_inplace = lambda *a: None
+        lib.CompilationResult = object
+        lib.triton_kernel_call_lib = types.ModuleType("fake_call_lib")
+    return types.SimpleNamespace(triton_lib=lib)
+
+
+@pytest.fixture
+def bridge(monkeypatch):
+    from adapters.jax import _gluon_bridge
+    monkeypatch.setitem(_gluon_bridge._STATE, "installed", None)
+    return _gluon_bridge
+
+
+def test_bridge_refuses_other_jax_triton_versions(bridge, monkeypatch):
+    monkeypatch.setattr(bridge, "jax_triton_version", lambda: "0.4.0")
+    fake = _fake_jax_triton()
+    assert bridge.install(fake) is False
+    assert fake.triton_lib.code_gen.__name__ == "fake_code_gen"  # nothing rebound
+
+
+def test_bridge_refuses_missing_internals(bridge, monkeypatch):
+    monkeypatch.setattr(bridge, "jax_triton_version", lambda: "0.3.1")
+    assert bridge.install(_fake_jax_triton(complete=False)) is False
+
+
+def test_bridge_rebinds_only_jax_triton_references(bridge, monkeypatch):
+    monkeypatch.setattr(bridge, "jax_triton_version", lambda: "0.3.1")
+    fake = _fake_jax_triton()
+    code_gen = fake.triton_lib.code_gen
+    assert bridge.install(fake) is True
+    assert fake.triton_lib.code_gen is not code_gen  # a proxy of jax-triton's own module
+    assert bridge.install(fake) is True  # idempotent
+
+
+def test_pyproject_pins_the_bridged_jax_triton_range():
+    import pathlib
+    import re
+    from adapters.jax._gluon_bridge import SUPPORTED
+    text = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
+    spec = re.search(r'"jax-triton([^"]*)"', text).group(1)
+    assert spec.startswith(">=") and "<" in spec, f"jax-triton range not pinned: {spec!r}"
+    low = spec.split(",")[0][2:]
+    assert low in SUPPORTED, "the lowest supported jax-triton must be one the bridge was written for"
+    assert np.all([s.startswith("0.3.") for s in SUPPORTED])

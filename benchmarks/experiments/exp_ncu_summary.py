@@ -1,4 +1,10 @@
-"""Summarise an ncu report: key metrics and the SASS lines with the most stall samples."""
+"""Summarise an ncu report: key metrics and the SASS lines with the most stall samples.
+
+    python3 -m benchmarks.experiments.exp_ncu_summary REPORT.ncu-rep
+
+Reports come from exp_lightning_ncu.py; the stored summaries are named by the
+commit of the code profiled (results/experiments/ncu_lightning_prefill_<commit>.txt).
+Needs only the ncu CLI (no GPU, no project imports)."""
 import csv
 import io
 import subprocess

@@ -58,8 +58,8 @@ def _inputs(n, h, d, dtype, k):
 def tile_sweep(copy_bw):
     """Time tile sizes / warps for the headline shape (torch launch, cold L2)."""
     import torch
-    from adapters.torch._executor import info, run_plan
-    from core_kernels.merge_attn_states import plan_merge_attn_states
+    from adapters.torch._executor import info, run_plan, target_for
+    from core_kernels.merge_attn_states import MergeConfig, plan_merge_attn_states
     n, h, d = 16384, 32, 128
     rows = []
     for dtype in ("bfloat16", "float16", "float32"):
@@ -69,8 +69,9 @@ def tile_sweep(copy_bw):
         for tile in (2048, 4096):
             for warps in (2, 4, 8):
                 for evict in ("",):
-                    plan = plan_merge_attn_states(info(po), info(pl), info(so), info(sl), info(out),
-                                                  info(lse), tile_elems=tile, num_warps=warps, evict=evict)
+                    plan = plan_merge_attn_states(target_for(po.device), info(po), info(pl), info(so),
+                                                  info(sl), info(out), info(lse),
+                                                  config=MergeConfig(tile, warps, evict))
                     tensors = dict(output=out, output_lse=lse, prefix_output=po, prefix_lse=pl,
                                    suffix_output=so, suffix_lse=sl)
                     t = timing.kernel_time_torch(lambda: run_plan(plan, tensors, {}))
@@ -87,7 +88,7 @@ def host_overheads():
     import adapters.jax as aj
     import adapters.torch as at
     from core_kernels.merge_attn_states.kernels import _merge_attn_states_kernel
-    from adapters.torch._executor import info
+    from adapters.torch._executor import info, target_for
     from core_kernels.merge_attn_states import plan_merge_attn_states
     from core_kernels._plan import Scalar
     po, pl, so, sl = _inputs(1, 32, 128, "bfloat16", 1)[0]
@@ -96,7 +97,8 @@ def host_overheads():
     ours = timing.host_overhead(lambda: at.merge_attn_states(out, po, pl, so, sl, lse), "torch")
     ours_ctx = timing.host_overhead(lambda: at.merge_attn_states(out, po, pl, so, sl, lse, 1), "torch")
     # the plain Triton launch of the same kernel, arguments prepared in advance
-    launch = plan_merge_attn_states(info(po), info(pl), info(so), info(sl), info(out), info(lse)).launches[0]
+    launch = plan_merge_attn_states(target_for(po.device), info(po), info(pl), info(so), info(sl),
+                                    info(out), info(lse)).launches[0]
     env = dict(output=out, output_lse=lse, prefix_output=po, prefix_lse=pl, suffix_output=so, suffix_lse=sl)
     args = [a.value if isinstance(a, Scalar) else env[a] for a in launch.args] + [env[o] for o in launch.outputs]
     plain = timing.host_overhead(lambda: _merge_attn_states_kernel[launch.grid](

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One device call: install the carried jax-triton wheel, run the GPU tests and
-# the benchmarks, and leave logs / JSON / PNG under $OUT.
+# One device call: set up the GPU environment of scripts/env.sh (.venv-gpu over
+# the system Python; jax-triton from the carried .whl/, no network needed), run
+# the GPU tests and the benchmarks, and leave logs / JSON / PNG under $OUT.
 #   bash scripts/gpu.sh [tests|bench|all] [op ...]
 # e.g. run(command="bash scripts/gpu.sh all merge_attn_states", carry=[".whl"])
-set -o pipefail
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+source "$(dirname "$0")/env.sh"   # exits on failure (set -e there)
+set +eu -o pipefail
+export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/results}; mkdir -p "$OUT"
 what=${1:-all}; shift || true
 ops=("$@")
@@ -15,9 +16,9 @@ if [[ $what == tests || $what == all ]]; then
   files=()
   for op in "${ops[@]}"; do files+=("tests/test_${op}.py"); done
   [[ ${#files[@]} == 0 ]] && files=(tests)
-  python3 -m pytest "${files[@]}" -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || rc=1
+  "$PYTHON_BIN" -m pytest "${files[@]}" -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || rc=1
 fi
 if [[ $what == bench || $what == all ]]; then
-  python3 -m benchmarks.run "${ops[@]}" --out "$OUT" 2>&1 | tee "$OUT/bench.log" || rc=1
+  "$PYTHON_BIN" -m benchmarks.run "${ops[@]}" --out "$OUT" 2>&1 | tee "$OUT/bench.log" || rc=1
 fi
 exit $rc

@@ -20,14 +20,24 @@ COLUMNS = ["name", "variant", "time_us", "gpu_us", "tflops", "pct_roofline", "tb
            "sdpa_us", "speedup_vs_sdpa", "vs_baseline", "jax_torch_ratio"]
 # the kernel this is modelled on, same H200 (issue 5)
 BASELINE_US = {"prefill-1x16384": 1520.0, "decode-1x16384": 258.0}
-PREFILL_VARIANTS = [  # (block_m, block_n, num_warps, num_stages); None = the plan's default
+PREFILL_VARIANTS = [  # BlocksparsePrefillConfig(block_m, block_n, num_warps, num_stages); None = the plan's
     None, (64, 64, 4, 2),
 ]
 # first H200 run: (64,64,8,3) 0.48x, (32,64,4,3) 0.43x, (64,64,4,4) 0.62x the default's speed;
 # 128-row tiles over two layout rows (since removed): 1709 us at 1x16384 vs 1431 for the default
-# decode variants: (decode_group, decode_splits); None = the plan's default. decode_group:
-# False = per-head kernel, True = GQA-packed (one program per KV head reads the union of blocks)
+# decode variants: (group, splits); None = the plan's default. group: False = the per-head
+# kernel (BlocksparseDecodeConfig), True = GQA-packed (BlocksparseGroupDecodeConfig: one
+# program per KV head reads the union of blocks), None = the default's kernel; splits None =
+# the measured rule's, else that many (a packed config's chunk follows from it, as the rule's)
 DECODE_SPLITS = [None, (False, None), (True, None), (None, 4), (None, 16)]
+
+
+def decode_variant_config(target, args, options, group, splits):
+    """The config of a (group, splits) decode variant for the planner's ``args``."""
+    from core_kernels.blocksparse_attention import (BlocksparseDecodeConfig,
+                                                    BlocksparseGroupDecodeConfig, choose_config)
+    variant = {None: None, False: BlocksparseDecodeConfig, True: BlocksparseGroupDecodeConfig}[group]
+    return choose_config(target, *args, **options, variant=variant, splits=splits)
 
 
 def allowed_pairs(block_mask, lens_k, lens_q, bs):
@@ -50,8 +60,9 @@ def run():
 
     import adapters.jax as aj
     import adapters.torch as at
-    from adapters.torch._executor import info, run_plan
-    from core_kernels.blocksparse_attention import get_sparse_attn_mask, plan_blocksparse_attention
+    from adapters.torch._executor import info, run_plan, target_for
+    from core_kernels.blocksparse_attention import (BlocksparsePrefillConfig, get_sparse_attn_mask,
+                                                    plan_blocksparse_attention)
 
     m = BLOCKSPARSE_MODEL
     hq, hkv, d, bs = m["hq"], m["hkv"], m["d"], m["block_size"]
@@ -115,16 +126,17 @@ def run():
                 fn = ours
                 label = "default"
             else:
+                target = target_for(q0.device)
+                args = (info(q0), info(k0), info(v0), info(cu_k), None if cu_q is None else info(cu_q),
+                        info(crow), info(col))
+                options = dict(block_size=bs, max_seqlen=max_seqlen)
                 if decode:
-                    cfg = dict(decode_group=var[0], decode_splits=var[1])
+                    config = decode_variant_config(target, args, options, *var)
                     label = f"group{var[0]}-splits{var[1]}"
                 else:
-                    bm, bn, nw, ns = var
-                    cfg = dict(block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
-                    label = f"bm{bm}-bn{bn}-w{nw}-s{ns}"
-                plan = plan_blocksparse_attention(
-                    info(q0), info(k0), info(v0), info(cu_k), None if cu_q is None else info(cu_q),
-                    info(crow), info(col), block_size=bs, max_seqlen=max_seqlen, **cfg)
+                    config = BlocksparsePrefillConfig(*var)
+                    label = "bm{}-bn{}-w{}-s{}".format(*var)
+                plan = plan_blocksparse_attention(target, *args, **options, config=config)
 
                 def fn(i=0, plan=plan):
                     q, k, v = sets[i]

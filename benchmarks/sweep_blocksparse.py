@@ -12,11 +12,13 @@ import time
 import numpy as np
 import torch
 
-from adapters.torch._executor import info, run_plan
+from adapters.torch._executor import info, run_plan, target_for
 from benchmarks.bench_blocksparse_attention import allowed_pairs
 from benchmarks.registry import BLOCKSPARSE_MODEL as M
 from benchmarks.timing import graph_time_torch, host_overhead, kernel_time_torch
-from core_kernels.blocksparse_attention import get_sparse_attn_mask, plan_blocksparse_attention
+from core_kernels.blocksparse_attention import (BlocksparseDecodeConfig, BlocksparseGroupDecodeConfig,
+                                                BlocksparsePrefillConfig, choose_config, get_sparse_attn_mask,
+                                                plan_blocksparse_attention)
 import adapters.torch as at
 
 OUT = os.environ.get("OUT", "results")
@@ -41,12 +43,22 @@ def shape(lens_k, lens_q):
     return dict(crow=crow, col=col, cu_k=cu_k, cu_q=cu_q, sets=sets, flops=flops, max_seqlen=max_seqlen)
 
 
-def variant(sh, **cfg):
+def _planner_args(sh):
     q0, k0, v0 = sh["sets"][0]
     cu_q = sh["cu_q"]
-    plan = plan_blocksparse_attention(info(q0), info(k0), info(v0), info(sh["cu_k"]),
-                                      None if cu_q is None else info(cu_q), info(sh["crow"]),
-                                      info(sh["col"]), block_size=BS, max_seqlen=sh["max_seqlen"], **cfg)
+    return (target_for(q0.device), info(q0), info(k0), info(v0), info(sh["cu_k"]),
+            None if cu_q is None else info(cu_q), info(sh["crow"]), info(sh["col"]))
+
+
+def rule(sh, kind):
+    """The measured rule's config of variant ``kind`` (a config class) for this shape."""
+    return choose_config(*_planner_args(sh), block_size=BS, max_seqlen=sh["max_seqlen"], variant=kind)
+
+
+def variant(sh, config=None):
+    cu_q = sh["cu_q"]
+    plan = plan_blocksparse_attention(*_planner_args(sh), block_size=BS, max_seqlen=sh["max_seqlen"],
+                                      config=config)
 
     def fn(i=0):
         q, k, v = sh["sets"][i]
@@ -75,16 +87,17 @@ def main():
     what = sys.argv[1:] or ["prefill", "decode"]
     if "prefill" in what:
         sh = shape([16384], [16384])
-        for cfg in [dict(), dict(block_m=64, block_n=64, num_warps=4, num_stages=4)]:
-            record("prefill-1x16384", str(cfg or "default"), sh, variant(sh, **cfg))
+        for cfg in [None, BlocksparsePrefillConfig(64, 64, 4, 4)]:
+            record("prefill-1x16384", str(cfg or "default"), sh, variant(sh, cfg))
         del sh
         sh = shape([4096] * 4, [4096] * 4)
-        for cfg in [dict()]:
-            record("prefill-4x4096", str(cfg or "default"), sh, variant(sh, **cfg))
+        for cfg in [None]:
+            record("prefill-4x4096", str(cfg or "default"), sh, variant(sh, cfg))
         del sh
         torch.cuda.empty_cache()
     if "decode" in what:
-        # per-head kernel (decode_group=False) vs GQA-packed (splits, chunk, warps, stages)
+        # per-head kernel (splits, warps) vs GQA-packed (splits, chunk, warps, stages);
+        # None: the measured rule's config of that kernel
         for lens, old, grp in [
             ([16384], [(None, None), (23, 2)],
              [(None, None, None, None), (64, 4, 4, 3), (32, 8, 4, 3), (32, 4, 4, 3), (16, 16, 4, 3),
@@ -96,13 +109,14 @@ def main():
         ]:
             sh = shape(lens, None)
             name = f"decode-{len(lens)}x{lens[0]}"
-            ref = variant(sh, decode_group=False)(0).float()
+            ref = variant(sh, rule(sh, BlocksparseDecodeConfig))(0).float()
             for s, w in old:
-                record(name, f"perhead-splits{s}-w{w}", sh,
-                       variant(sh, decode_group=False, decode_splits=s, num_warps=w), graph=True)
+                cfg = rule(sh, BlocksparseDecodeConfig) if s is None else BlocksparseDecodeConfig(s, w)
+                record(name, f"perhead-splits{s}-w{w}", sh, variant(sh, cfg), graph=True)
             for s, c, w, st in grp:
-                fn = variant(sh, decode_group=True, decode_splits=s, decode_chunk=c, num_warps=w,
-                             num_stages=st)
+                cfg = (rule(sh, BlocksparseGroupDecodeConfig) if s is None
+                       else BlocksparseGroupDecodeConfig(s, c, w, st))
+                fn = variant(sh, cfg)
                 print("max abs diff vs per-head", (fn(0).float() - ref).abs().max().item(), flush=True)
                 record(name, f"group-splits{s}-chunk{c}-w{w}-s{st}", sh, fn, graph=True)
             del sh, ref
@@ -112,8 +126,9 @@ def main():
         for lens in ([16384], [4096] * 4, [4096] * 8, [4096] * 16, [16384] * 4):
             sh = shape(lens, None)
             name = f"decode-{len(lens)}x{lens[0]}"
-            for grp in (False, True):
-                record(name, f"group={grp}", sh, variant(sh, decode_group=grp), graph=True)
+            for kind in (BlocksparseDecodeConfig, BlocksparseGroupDecodeConfig):
+                record(name, f"group={kind is BlocksparseGroupDecodeConfig}", sh,
+                       variant(sh, rule(sh, kind)), graph=True)
             del sh
             torch.cuda.empty_cache()
     json.dump(rows, open(os.path.join(OUT, "sweep_blocksparse.json"), "w"), indent=1)

@@ -4,16 +4,23 @@ The reference applies the exact token-level mask built from the spec's layout
 formula (reference.formula_block_mask), never the builder's output, so the
 layout builder and the kernels are checked independently.
 """
+import functools
+
 import numpy as np
 import pytest
 import torch
 
-from core_kernels.blocksparse_attention import (blocksparse_attention_reference, crow_col_to_dense,
-                                                formula_block_mask, get_sparse_attn_mask,
-                                                plan_blocksparse_attention)
-from harness import (ADAPTERS, DEVICE, FLOAT_DTYPES, GPU, assert_bitwise_equal, assert_close, cast,
-                     jax_to_numpy, requires_gpu, rng, to_jax, to_torch, torch_to_numpy)
+from core_kernels._plan import ArrayInfo
+from core_kernels._target import Target
+from core_kernels.blocksparse_attention import (BlocksparseDecodeConfig, BlocksparseGroupDecodeConfig,
+                                                BlocksparsePrefillConfig, blocksparse_attention_reference,
+                                                choose_config, crow_col_to_dense, formula_block_mask,
+                                                get_sparse_attn_mask, plan_blocksparse_attention)
+from harness import (DEVICE, FLOAT_DTYPES, GPU, JaxAdapter, TorchAdapter, assert_bitwise_equal,
+                     assert_close, cast, requires_gpu, rng, to_jax, to_torch, torch_to_numpy)
 import adapters.torch as at
+
+H200 = Target("cuda", 90, 132, gluon=True)   # the plans the GPU tests run
 
 
 # ------------------------------------------------------------------ helpers
@@ -28,34 +35,19 @@ def make_batch(lens_k, lens_q, hq, hkv, d, dtype, seed=None):
     return q, k, v, cu_k, cu_q
 
 
-def run(adapter, q, k, v, cu_k, cu_q, layout, *, block_size, q_block_size=None, max_seqlen=None,
-        sm_scale=None, jit=False):
-    crow, col = (np.ascontiguousarray(x) for x in layout)
-    if adapter == "torch":
-        # poison: the caching allocator hands this NaN block back to the op's output
-        poison = torch.full(q.shape, float("nan"), dtype=to_torch(q[:0]).dtype, device=DEVICE)
-        del poison
-        out = at.blocksparse_flash_attn_varlen_fwd(
-            to_torch(q), to_torch(k), to_torch(v), to_torch(cu_k),
-            None if cu_q is None else to_torch(cu_q), sm_scale, (to_torch(crow), to_torch(col)),
-            block_size=block_size, q_block_size=q_block_size, max_seqlen=max_seqlen)
-        return torch_to_numpy(out)
-    import jax
-    import adapters.jax as aj
-
-    def f(q, k, v, cu_k, cu_q, crow, col):
-        return aj.blocksparse_flash_attn_varlen_fwd(q, k, v, cu_k, cu_q, sm_scale, (crow, col),
-                                                    block_size=block_size, q_block_size=q_block_size,
-                                                    max_seqlen=max_seqlen)
-    if jit:
-        f = jax.jit(f)
-    return jax_to_numpy(f(to_jax(q), to_jax(k), to_jax(v), to_jax(cu_k),
-                          None if cu_q is None else to_jax(cu_q), to_jax(crow), to_jax(col)))
-
-
 def reference(q, k, v, cu_k, cu_q, block_mask, block_size, q_block_size=None, sm_scale=None):
     return blocksparse_attention_reference(q, k, v, cu_k, cu_q, block_mask, block_size=block_size,
                                            sm_scale=sm_scale, q_block_size=q_block_size)
+
+
+def infos(q, k, v, cu_k, cu_q, crow, col):
+    """ArrayInfos of numpy arrays (contiguous), in the planner's order."""
+    return tuple(None if x is None else ArrayInfo.contiguous(np.shape(x), np.asarray(x).dtype.name)
+                 for x in (q, k, v, cu_k, cu_q, crow, col))
+
+
+def kernel_names(plan):
+    return [launch.kernel.fn.__name__ for launch in plan.launches]
 
 
 # (lens_k, lens_q): full prefill, prefill over a cached prefix, decode, mixed
@@ -85,6 +77,40 @@ def case_inputs(name, dtype, seed=None):
     block_mask = formula_block_mask(global_heads, nb, local, stride, homo, heads)
     q, k, v, cu_k, cu_q = make_batch(lens_k, lens_q, hq, hkv, d, dtype, seed)
     return (q, k, v, cu_k, cu_q), (crow, col), block_mask, dict(block_size=bs, q_block_size=qbs)
+
+
+def random_user_layout(g, n_heads, nb):
+    """Random per-head CSR: the diagonal, random lower blocks, a few (masked) upper blocks."""
+    mask = g.random((n_heads, nb, nb)) < 0.35
+    mask |= np.eye(nb, dtype=bool)[None]
+    from core_kernels.blocksparse_attention import dense_to_crow_col
+    return dense_to_crow_col(mask), mask
+
+
+def decode_batch(batch, dtype, hq=4, hkv=2, d=24, seed=None):
+    """A decode-only batch (one query per sequence) over a 4-head 128-token layout."""
+    g = rng(seed)
+    lens = list(g.integers(1, 120, batch))
+    lens[0] = 1
+    (crow, col), _ = get_sparse_attn_mask(hq, 128, 16, 2, 3, False)
+    q, k, v, cu_k, _ = make_batch(lens, None, hq, hkv, d, dtype, seed)
+    return (q, k, v, cu_k, None), (crow, col), formula_block_mask(hq, 8, 2, 3, False)
+
+
+def run_plan_torch(q, k, v, cu_k, crow, col, block_size, cu_q=None, **options):
+    """Plan (for the test device's target, ``options`` such as config=) and run a
+    plan through the torch executor; returns (numpy output, kernel names)."""
+    from adapters.torch._executor import info, run_plan, target_for
+    t = dict(q=to_torch(q), k=to_torch(k), v=to_torch(v), cu_seqlens_k=to_torch(cu_k),
+             crow=to_torch(np.ascontiguousarray(crow)), col=to_torch(np.ascontiguousarray(col)))
+    if cu_q is not None:
+        t["cu_seqlens_q"] = to_torch(cu_q)
+    plan = plan_blocksparse_attention(
+        target_for(t["q"].device), *(info(t[n]) for n in ("q", "k", "v", "cu_seqlens_k")),
+        None if cu_q is None else info(t["cu_seqlens_q"]), info(t["crow"]), info(t["col"]),
+        block_size=block_size, **options)
+    out = run_plan(plan, t, None, t["q"].device)["output"]
+    return torch_to_numpy(out), kernel_names(plan)
 
 
 # ------------------------------------------------------------------ layout builder
@@ -135,66 +161,121 @@ def test_layout_errors(kwargs, name):
         get_sparse_attn_mask(**args)
 
 
-# ------------------------------------------------------------------ attention vs reference
-@pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("case", list(CASES))
-def test_matches_reference(adapter, dtype, case):
-    (q, k, v, cu_k, cu_q), layout, block_mask, opts = case_inputs(case, dtype)
-    out = run(adapter, q, k, v, cu_k, cu_q, layout, **opts)
-    ref = reference(q, k, v, cu_k, cu_q, block_mask, **opts)
-    assert out.dtype == q.dtype
-    assert_close(out, ref, dtype, case, scale=2.0)
+# ------------------------------------------------------------------ plans (no kernels run)
+def test_decode_splits_follow_the_sm_count():
+    """Split counts aim at a number of programs per SM: another device, another choice."""
+    # per-head decode (1 sequence x 8 KV heads: too few programs to pack), rows of at
+    # most 100 blocks: splits = min(max(8 * SMs / (B * Hq), 100 / 8), 100 / 2, 64)
+    q, k = ArrayInfo.contiguous((1, 32, 128), "bfloat16"), ArrayInfo.contiguous((4096, 8, 128), "bfloat16")
+    args = (q, k, k, ArrayInfo.contiguous((2,), "int32"), None,
+            ArrayInfo.contiguous((32, 257), "int32"), ArrayInfo.contiguous((32, 100), "int32"))
+    for sms, splits in ((132, 33), (66, 17), (264, 50), (8, 13)):
+        plan = plan_blocksparse_attention(Target.interpreter(sms), *args, block_size=64)
+        assert kernel_names(plan) == ["_bsattn_decode_kernel", "_bsattn_combine_kernel"]
+        assert plan.launches[0].constexprs["NUM_SPLITS"] == splits, sms
+        assert plan.launches[0].grid == (32 * splits,)
+        assert choose_config(Target.interpreter(sms), *args, block_size=64) == BlocksparseDecodeConfig(splits)
+    # GQA-packed decode (64 x 8 KV heads, 64 key blocks): splits = 4 * SMs / 512 programs
+    q = ArrayInfo.contiguous((64, 32, 128), "bfloat16")
+    k = ArrayInfo.contiguous((64 * 4096, 8, 128), "bfloat16")
+    (crow, col), _ = get_sparse_attn_mask(32, 4096, 64, 16, 8, False)
+    args = (q, k, k, ArrayInfo.contiguous((65,), "int32"), None, ArrayInfo.contiguous(crow.shape, "int32"),
+            ArrayInfo.contiguous(col.shape, "int32"))
+    for sms, splits in ((132, 2), (33, 1), (528, 4)):
+        plan = plan_blocksparse_attention(Target.interpreter(sms), *args, block_size=64)
+        assert kernel_names(plan)[0] == "_bsattn_decode_group_kernel"
+        assert plan.launches[0].constexprs["NUM_SPLITS"] == splits, sms
+        assert len(plan.launches) == (1 if splits == 1 else 2)
 
 
-@pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("batch", [3, 70], ids=["split-kv", "one-split"])
-def test_decode_only(adapter, dtype, batch):
-    g = rng()
-    lens = list(g.integers(1, 120, batch))
-    lens[0] = 1
-    (crow, col), _ = get_sparse_attn_mask(4, 128, 16, 2, 3, False)
-    q, k, v, cu_k, _ = make_batch(lens, None, 4, 2, 24, dtype)
-    assert q.shape[0] == batch
-    out = run(adapter, q, k, v, cu_k, None, (crow, col), block_size=16, sm_scale=0.3)
-    ref = reference(q, k, v, cu_k, None, formula_block_mask(4, 8, 2, 3, False), 16, sm_scale=0.3)
-    assert_close(out, ref, dtype, "decode", scale=2.0)
+def test_config_selects_the_variant():
+    (q, k, v, cu_k, _), (crow, col), _ = decode_batch(3, "float32")
+    args = infos(q, k, v, cu_k, None, crow, col)
+    cases = [(None, ["_bsattn_decode_kernel", "_bsattn_combine_kernel"]),
+             (BlocksparsePrefillConfig(16, 16), ["_bsattn_fwd_kernel"]),
+             (BlocksparseDecodeConfig(1), ["_bsattn_decode_kernel"]),
+             (BlocksparseGroupDecodeConfig(2, 4), ["_bsattn_decode_group_kernel", "_bsattn_combine_kernel"])]
+    for config, names in cases:
+        plan = plan_blocksparse_attention(Target.interpreter(), *args, block_size=16, config=config)
+        assert kernel_names(plan) == names, config
+    plan = plan_blocksparse_attention(Target.interpreter(), *args, block_size=16,
+                                      config=BlocksparseDecodeConfig(5, num_warps=8, num_stages=3))
+    assert (plan.launches[0].num_warps, plan.launches[0].num_stages) == (8, 3)
+    assert plan.launches[0].constexprs["NUM_SPLITS"] == 5
+    # the measured rule's config of a variant (a starting point for tuning sweeps)
+    group = choose_config(Target.interpreter(), *args, block_size=16, variant=BlocksparseGroupDecodeConfig)
+    assert isinstance(group, BlocksparseGroupDecodeConfig)
 
 
-def random_user_layout(g, n_heads, nb):
-    """Random per-head CSR: the diagonal, random lower blocks, a few (masked) upper blocks."""
-    mask = g.random((n_heads, nb, nb)) < 0.35
-    mask |= np.eye(nb, dtype=bool)[None]
-    from core_kernels.blocksparse_attention import dense_to_crow_col
-    return dense_to_crow_col(mask), mask
+@pytest.mark.parametrize("config,match", [
+    (BlocksparsePrefillConfig(32, 16), "block_m"),          # a query tile beyond the layout row
+    (BlocksparsePrefillConfig(16, 8), "block_n"),           # below tl.dot's 16
+    (BlocksparseGroupDecodeConfig(2, 3), "chunk"),
+    (BlocksparseGroupDecodeConfig(2, 64), "chunk"),
+    (BlocksparseDecodeConfig(0), "splits"),
+    (BlocksparseDecodeConfig(2, num_warps=3), "num_warps"),
+], ids=str)
+def test_config_errors(config, match):
+    (q, k, v, cu_k, _), (crow, col), _ = decode_batch(3, "float32")
+    with pytest.raises(ValueError, match=match):
+        plan_blocksparse_attention(Target.interpreter(), *infos(q, k, v, cu_k, None, crow, col),
+                                   block_size=16, config=config)
+
+
+@pytest.mark.parametrize("config", [BlocksparseDecodeConfig(2), BlocksparseGroupDecodeConfig(2, 4)],
+                         ids=str)
+@pytest.mark.parametrize("inputs", ["prefill", "q_block_size"])
+def test_decode_configs_refuse_other_batches(config, inputs):
+    if inputs == "prefill":
+        (q, k, v, cu_k, cu_q), (crow, col), _, opts = case_inputs("mixed-perhead", "float32")
+    else:  # a decode-only batch, but q blocks of two layout rows
+        (q, k, v, cu_k, cu_q), (crow, col), _ = decode_batch(3, "float32")
+        opts = dict(block_size=16, q_block_size=32)
+    with pytest.raises(ValueError, match=f"config: {type(config).__name__} runs decode-only"):
+        plan_blocksparse_attention(Target.interpreter(), *infos(q, k, v, cu_k, cu_q, crow, col),
+                                   **opts, config=config)
+    with pytest.raises(ValueError, match="decode-only"):
+        choose_config(Target.interpreter(), *infos(q, k, v, cu_k, cu_q, crow, col), **opts,
+                      variant=type(config))
+    with pytest.raises(TypeError, match="config"):
+        plan_blocksparse_attention(Target.interpreter(), *infos(q, k, v, cu_k, cu_q, crow, col),
+                                   **opts, config=("splits", 2))
+
+
+def test_gpu_test_plans_build():
+    """The plans the GPU tests below run, made for the H200 here (no kernels run)."""
+    (crow, col), _ = get_sparse_attn_mask(32, 4096, 64, 16, 8, False)
+    q, k, v, cu_k, cu_q = make_batch([2048, 1500, 900, 4096], [2048, 1, 333, 1], 32, 8, 128, "float16")
+    plan = plan_blocksparse_attention(H200, *infos(q, k, v, cu_k, cu_q, crow, col), block_size=64,
+                                      max_seqlen=4096)
+    assert kernel_names(plan) == ["_bsattn_fwd_kernel"]
+    q, k, v, cu_k, _ = make_batch([4000], None, 32, 8, 128, "float16")
+    plan = plan_blocksparse_attention(H200, *infos(q, k, v, cu_k, None, crow, col), block_size=64)
+    assert kernel_names(plan) == ["_bsattn_decode_kernel", "_bsattn_combine_kernel"]
+    q, k, v, cu_k, _ = make_batch([4096, 1, 64, 65, 1000, 3000, 4095, 2049], None, 32, 8, 128, "float16")
+    plan = plan_blocksparse_attention(H200, *infos(q, k, v, cu_k, None, crow, col), block_size=64)
+    assert kernel_names(plan) == ["_bsattn_decode_group_kernel", "_bsattn_combine_kernel"]
+    (crow, col), _ = get_sparse_attn_mask(32, 2048, 64, 16, 8, False)
+    for lens_q in (None, [700, 300]):
+        q, k, v, cu_k, cu_q = make_batch([700, 1300], lens_q, 32, 8, 128, "float16")
+        plan = plan_blocksparse_attention(H200, *infos(q, k, v, cu_k, cu_q, crow, col), block_size=64,
+                                          max_seqlen=2048)
+        assert plan.launches
 
 
 # GQA-packed decode: one program per KV head walks the union of its query heads' rows.
-# (hq, hkv, d, block_size, layout, decode_chunk, decode_splits)
+# (hq, hkv, d, block_size, layout, config: None = the rule's grouped config)
 GROUP_DECODE_CASES = {
-    "G4-perhead-default": (8, 2, 24, 16, "perhead", None, None),
-    "G3-user-chunk2-sub": (6, 2, 16, 16, "user", 2, 3),
-    "G24-two-headblocks": (24, 1, 16, 16, "perhead", 4, 1),
-    "G1-forced-bs128": (2, 2, 16, 128, "perhead", 2, 2),
+    "G4-perhead-default": (8, 2, 24, 16, "perhead", None),
+    "G3-user-chunk2-sub": (6, 2, 16, 16, "user", BlocksparseGroupDecodeConfig(3, 2)),
+    "G24-two-headblocks": (24, 1, 16, 16, "perhead", BlocksparseGroupDecodeConfig(1, 4)),
+    "G1-forced-bs128": (2, 2, 16, 128, "perhead", BlocksparseGroupDecodeConfig(2, 2)),
 }
-
-
-def run_plan_torch(q, k, v, cu_k, crow, col, block_size, **cfg):
-    from adapters.torch._executor import info, run_plan
-    t = dict(q=to_torch(q), k=to_torch(k), v=to_torch(v), cu_seqlens_k=to_torch(cu_k),
-             crow=to_torch(np.ascontiguousarray(crow)), col=to_torch(np.ascontiguousarray(col)))
-    plan = plan_blocksparse_attention(*(info(t[n]) for n in ("q", "k", "v", "cu_seqlens_k")), None,
-                                      info(t["crow"]), info(t["col"]), block_size=block_size, **cfg)
-    names = [l.kernel.__name__ if hasattr(l.kernel, "__name__") else l.kernel.fn.__name__
-             for l in plan.launches]
-    out = run_plan(plan, t, None, t["q"].device)["output"]
-    return torch_to_numpy(out), names
 
 
 @pytest.mark.parametrize("case", list(GROUP_DECODE_CASES))
 def test_decode_group_packed(case):
-    hq, hkv, d, bs, kind, chunk, splits = GROUP_DECODE_CASES[case]
+    hq, hkv, d, bs, kind, config = GROUP_DECODE_CASES[case]
     g = rng()
     nb = 8 if bs == 16 else 3
     lens = [1, nb * bs, 17, int(g.integers(2, nb * bs))]
@@ -204,110 +285,15 @@ def test_decode_group_packed(case):
         (crow, col), _ = get_sparse_attn_mask(hq, nb * bs, bs, 2, 3, False)
         mask = formula_block_mask(hq, nb, 2, 3, False)
     q, k, v, cu_k, _ = make_batch(lens, None, hq, hkv, d, "float32")
-    out, names = run_plan_torch(q, k, v, cu_k, crow, col, bs, decode_group=True,
-                                decode_chunk=chunk, decode_splits=splits)
+    if config is None:
+        config = choose_config(Target.interpreter(), *infos(q, k, v, cu_k, None, crow, col),
+                               block_size=bs, variant=BlocksparseGroupDecodeConfig)
+    out, names = run_plan_torch(q, k, v, cu_k, crow, col, bs, config=config)
     assert "_bsattn_decode_group_kernel" in names
     assert_close(out, reference(q, k, v, cu_k, None, mask, bs), "float32", case, scale=2.0)
 
 
-@pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("qbs", [None, 32])
-def test_user_supplied_layout(adapter, qbs):
-    g = rng()
-    (crow, col), mask = random_user_layout(g, 4, 8)
-    for lens_q in (MIXED[1], None):
-        lens_k = MIXED[0] if lens_q is not None else [60, 3, 128, 77]
-        q, k, v, cu_k, cu_q = make_batch(lens_k, lens_q, 4, 4, 16, "float32")
-        out = run(adapter, q, k, v, cu_k, cu_q, (crow, col), block_size=16, q_block_size=qbs)
-        ref = reference(q, k, v, cu_k, cu_q, mask, 16, q_block_size=qbs)
-        assert_close(out, ref, "float32", "user layout", scale=2.0)
-
-
-@pytest.mark.parametrize("adapter", ADAPTERS)
-def test_broadcast_layout_and_scale(adapter):
-    (crow, col), _ = get_sparse_attn_mask(1, 128, 16, 2, 3, True)
-    q, k, v, cu_k, cu_q = make_batch(*MIXED, 4, 1, 32, "float16")
-    out = run(adapter, q, k, v, cu_k, cu_q, (crow[0], col[0]), block_size=16, sm_scale=0.05)
-    ref = reference(q, k, v, cu_k, cu_q, formula_block_mask(1, 8, 2, 3), 16, sm_scale=0.05)
-    assert_close(out, ref, "float16", "1-D layout broadcast")
-
-
-@pytest.mark.parametrize("adapter", ADAPTERS)
-def test_empty_batch(adapter):
-    (crow, col), _ = get_sparse_attn_mask(2, 64, 16, 2, 2)
-    q, k, v, cu_k, cu_q = make_batch([0], [0], 2, 2, 16, "float32")
-    out = run(adapter, q, k, v, cu_k, cu_q, (crow, col), block_size=16)
-    assert out.shape == (0, 2, 16)
-
-
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("case", ["mixed-perhead", "qblock2x"])
-def test_torch_and_jax_bitwise_equal(dtype, case):
-    (q, k, v, cu_k, cu_q), layout, _, opts = case_inputs(case, dtype)
-    t = run("torch", q, k, v, cu_k, cu_q, layout, **opts)
-    j = run("jax", q, k, v, cu_k, cu_q, layout, jit=True, **opts)
-    assert_bitwise_equal(t, j, case)
-    lens = [5, 100, 64]
-    (crow, col), _ = get_sparse_attn_mask(4, 128, 16, 2, 3, False)
-    q, k, v, cu_k, _ = make_batch(lens, None, 4, 2, 32, dtype)
-    t = run("torch", q, k, v, cu_k, None, (crow, col), block_size=16)
-    j = run("jax", q, k, v, cu_k, None, (crow, col), block_size=16, jit=True)
-    assert_bitwise_equal(t, j, "decode")
-
-
-# ------------------------------------------------------------------ modules, jit, compile
-@pytest.mark.parametrize("adapter", ADAPTERS)
-def test_module(adapter):
-    import adapters.jax as aj
-    cls = at.LocalStridedBlockSparseAttn if adapter == "torch" else aj.LocalStridedBlockSparseAttn
-    attn = cls(8, 128, 2, 4, 16, homo_head=False, active_head_range=(4, 8), q_block_size=32)
-    q, k, v, cu_k, cu_q = make_batch(*MIXED, 4, 2, 16, "float32")
-    if adapter == "torch":
-        out = torch_to_numpy(attn(*map(to_torch, (q, k, v, cu_k, cu_q))))
-    else:
-        out = jax_to_numpy(attn(*map(to_jax, (q, k, v, cu_k, cu_q))))
-    mask = formula_block_mask(8, 8, 2, 4, False, range(4, 8))
-    assert_close(out, reference(q, k, v, cu_k, cu_q, mask, 16, q_block_size=32), "float32", "module")
-
-
-def test_jax_jit_traced_lengths_do_not_recompile():
-    import jax
-    import adapters.jax as aj
-    attn = aj.LocalStridedBlockSparseAttn(4, 128, 2, 3, 16)
-    f = jax.jit(lambda *a: attn(*a))
-    for lens_k, lens_q in ((MIXED[0], MIXED[1]), ([20, 30, 40, 60, 75], [20, 10, 11, 15, 75])):
-        q, k, v, cu_k, cu_q = make_batch(lens_k, lens_q, 4, 2, 16, "float32")
-        out = f(*map(to_jax, (q, k, v, cu_k, cu_q)))
-        ref = reference(q, k, v, cu_k, cu_q, formula_block_mask(4, 8, 2, 3, False), 16)
-        assert_close(jax_to_numpy(out), ref, "float32", "jit")
-    assert f._cache_size() == 1, "new sequence lengths recompiled"
-
-
-def test_torch_compile_fullgraph():
-    attn = at.LocalStridedBlockSparseAttn(4, 128, 2, 3, 16, device=DEVICE)
-    q, k, v, cu_k, cu_q = make_batch(*MIXED, 4, 2, 16, "float32")
-
-    def f(q, k, v, cu_k, cu_q):
-        return attn(q, k, v, cu_k, cu_q) * 2
-
-    backend = "inductor" if GPU else "aot_eager"
-    out = torch.compile(f, fullgraph=True, backend=backend)(*map(to_torch, (q, k, v, cu_k, cu_q)))
-    ref = reference(q, k, v, cu_k, cu_q, formula_block_mask(4, 8, 2, 3, False), 16)
-    assert_close(torch_to_numpy(out), 2 * ref, "float32", "compiled")
-
-
-def test_plan_cached_and_grid_static():
-    (crow, col), _ = get_sparse_attn_mask(4, 128, 16, 2, 3, False)
-    q, k, v, cu_k, cu_q = make_batch(*MIXED, 4, 2, 16, "float32")
-    run("torch", q, k, v, cu_k, cu_q, (crow, col), block_size=16)
-    before = plan_blocksparse_attention.cache_info()
-    q2, k2, v2, cu_k2, cu_q2 = make_batch([80, 40, 10, 50, 45], [2, 40, 10, 34, 45], 4, 2, 16, "float32")
-    assert q2.shape == q.shape and k2.shape == k.shape
-    run("torch", q2, k2, v2, cu_k2, cu_q2, (crow, col), block_size=16)
-    assert plan_blocksparse_attention.cache_info().misses == before.misses
-
-
-# ------------------------------------------------------------------ errors
+# ------------------------------------------------------------------ the adapters
 def _bad_cases():
     q, k, v, cu_k, cu_q = make_batch([40, 20], [40, 5], 4, 2, 16, "float32")
     (crow, col), _ = get_sparse_attn_mask(4, 64, 16, 2, 2, False)
@@ -329,108 +315,255 @@ def _bad_cases():
     ]
 
 
-@pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("case", range(11))
-def test_errors_name_the_argument(adapter, case):
-    base, cases = _bad_cases()
-    name, repl = cases[case]
-    a = {**base, **repl}
-    if name == "cu_seqlens_q" and "q" in repl:
-        a["cu_q"] = None
-    if adapter == "jax" and name == "cu_seqlens_k":
-        pytest.skip("JAX without x64 turns int64 into int32")
-    with pytest.raises((ValueError, TypeError), match=name):
-        run(adapter, a["q"], a["k"], a["v"], a["cu_k"], a["cu_q"], (a["crow"], a["col"]),
-            block_size=a["bs"], q_block_size=a["qbs"], max_seqlen=a["ms"])
+class BlocksparseTests:
+    """Every adapter test, written once; a subclass per adapter implements
+    ``attend`` and ``module_cls`` (and may add framework-only tests)."""
+    module_cls = None  # the adapter's LocalStridedBlockSparseAttn
+
+    def attend(self, q, k, v, cu_k, cu_q, layout, *, block_size, q_block_size=None, max_seqlen=None,
+               sm_scale=None, config=None):
+        """numpy inputs -> numpy output of blocksparse_flash_attn_varlen_fwd through this adapter."""
+        raise NotImplementedError
+
+    @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+    @pytest.mark.parametrize("case", list(CASES))
+    def test_matches_reference(self, dtype, case):
+        (q, k, v, cu_k, cu_q), layout, block_mask, opts = case_inputs(case, dtype)
+        out = self.attend(q, k, v, cu_k, cu_q, layout, **opts)
+        ref = reference(q, k, v, cu_k, cu_q, block_mask, **opts)
+        assert out.dtype == q.dtype
+        assert_close(out, ref, dtype, case, scale=2.0)
+
+    @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+    @pytest.mark.parametrize("batch", [3, 70], ids=["split-kv", "one-split"])
+    def test_decode_only(self, dtype, batch):
+        (q, k, v, cu_k, _), layout, mask = decode_batch(batch, dtype)
+        assert q.shape[0] == batch
+        out = self.attend(q, k, v, cu_k, None, layout, block_size=16, sm_scale=0.3)
+        ref = reference(q, k, v, cu_k, None, mask, 16, sm_scale=0.3)
+        assert_close(out, ref, dtype, "decode", scale=2.0)
+
+    @pytest.mark.parametrize("config", [
+        BlocksparsePrefillConfig(16, 16, 4, 2),          # the prefill kernel on a decode batch
+        BlocksparseDecodeConfig(1), BlocksparseDecodeConfig(4, num_warps=4),
+        BlocksparseGroupDecodeConfig(1, 32), BlocksparseGroupDecodeConfig(3, 2, num_stages=2),
+    ], ids=str)
+    def test_decode_configs(self, config):
+        """Every variant and split of a decode-only batch through ``config=``."""
+        (q, k, v, cu_k, _), layout, mask = decode_batch(5, "float32")
+        out = self.attend(q, k, v, cu_k, None, layout, block_size=16, config=config)
+        assert_close(out, reference(q, k, v, cu_k, None, mask, 16), "float32", str(config), scale=2.0)
+
+    @pytest.mark.parametrize("case,config", [("mixed-perhead", BlocksparsePrefillConfig(16, 16)),
+                                             ("block32", BlocksparsePrefillConfig(32, 16)),
+                                             ("block32", BlocksparsePrefillConfig(16, 16, 2, 1))], ids=str)
+    def test_prefill_tile_configs(self, case, config):
+        """Query tiles of a whole layout row or part of one (block_m <= block_size),
+        K/V sub-blocks (block_n < block_size)."""
+        (q, k, v, cu_k, cu_q), layout, block_mask, opts = case_inputs(case, "float32")
+        out = self.attend(q, k, v, cu_k, cu_q, layout, **opts, config=config)
+        assert_close(out, reference(q, k, v, cu_k, cu_q, block_mask, opts["block_size"]), "float32",
+                     str(config))
+
+    def test_config_errors(self):
+        (q, k, v, cu_k, cu_q), layout, _, opts = case_inputs("mixed-perhead", "float32")
+        with pytest.raises(ValueError, match="decode-only"):
+            self.attend(q, k, v, cu_k, cu_q, layout, **opts, config=BlocksparseDecodeConfig(2))
+        with pytest.raises(TypeError, match="config"):
+            self.attend(q, k, v, cu_k, cu_q, layout, **opts, config=("splits", 2))
+
+    @pytest.mark.parametrize("qbs", [None, 32])
+    def test_user_supplied_layout(self, qbs):
+        g = rng()
+        (crow, col), mask = random_user_layout(g, 4, 8)
+        for lens_q in (MIXED[1], None):
+            lens_k = MIXED[0] if lens_q is not None else [60, 3, 128, 77]
+            q, k, v, cu_k, cu_q = make_batch(lens_k, lens_q, 4, 4, 16, "float32")
+            out = self.attend(q, k, v, cu_k, cu_q, (crow, col), block_size=16, q_block_size=qbs)
+            ref = reference(q, k, v, cu_k, cu_q, mask, 16, q_block_size=qbs)
+            assert_close(out, ref, "float32", "user layout", scale=2.0)
+
+    def test_broadcast_layout_and_scale(self):
+        (crow, col), _ = get_sparse_attn_mask(1, 128, 16, 2, 3, True)
+        q, k, v, cu_k, cu_q = make_batch(*MIXED, 4, 1, 32, "float16")
+        out = self.attend(q, k, v, cu_k, cu_q, (crow[0], col[0]), block_size=16, sm_scale=0.05)
+        ref = reference(q, k, v, cu_k, cu_q, formula_block_mask(1, 8, 2, 3), 16, sm_scale=0.05)
+        assert_close(out, ref, "float16", "1-D layout broadcast")
+
+    def test_empty_batch(self):
+        (crow, col), _ = get_sparse_attn_mask(2, 64, 16, 2, 2)
+        q, k, v, cu_k, cu_q = make_batch([0], [0], 2, 2, 16, "float32")
+        out = self.attend(q, k, v, cu_k, cu_q, (crow, col), block_size=16)
+        assert out.shape == (0, 2, 16)
+
+    def test_module(self):
+        attn = self.module_cls(8, 128, 2, 4, 16, homo_head=False, active_head_range=(4, 8), q_block_size=32)
+        q, k, v, cu_k, cu_q = make_batch(*MIXED, 4, 2, 16, "float32")
+        out = self.numpy(attn(*map(self.array, (q, k, v, cu_k, cu_q))))
+        mask = formula_block_mask(8, 8, 2, 4, False, range(4, 8))
+        assert_close(out, reference(q, k, v, cu_k, cu_q, mask, 16, q_block_size=32), "float32", "module")
+        # config= per call: the prefill kernel with other tiles
+        out = self.numpy(attn(*map(self.array, (q, k, v, cu_k, cu_q)),
+                              config=BlocksparsePrefillConfig(16, 16, 2, 1)))
+        assert_close(out, reference(q, k, v, cu_k, cu_q, mask, 16, q_block_size=32), "float32", "config")
+
+    @pytest.mark.parametrize("case", range(11))
+    def test_errors_name_the_argument(self, case):
+        base, cases = _bad_cases()
+        name, repl = cases[case]
+        a = {**base, **repl}
+        if name == "cu_seqlens_q" and "q" in repl:
+            a["cu_q"] = None
+        if self.adapter == "jax" and name == "cu_seqlens_k":
+            pytest.skip("JAX without x64 turns int64 into int32")
+        with pytest.raises((ValueError, TypeError), match=name):
+            self.attend(a["q"], a["k"], a["v"], a["cu_k"], a["cu_q"], (a["crow"], a["col"]),
+                        block_size=a["bs"], q_block_size=a["qbs"], max_seqlen=a["ms"])
+
+    def test_module_errors(self):
+        with pytest.raises(ValueError, match="q_block_size"):
+            self.module_cls(4, 128, 2, 3, 16, q_block_size=40)
+        with pytest.raises(ValueError, match="active_head_range"):
+            self.module_cls(4, 128, 2, 3, 16, active_head_range=(0, 5))
 
 
-@pytest.mark.parametrize("adapter", ADAPTERS)
-def test_module_errors(adapter):
-    import adapters.jax as aj
-    cls = at.LocalStridedBlockSparseAttn if adapter == "torch" else aj.LocalStridedBlockSparseAttn
-    with pytest.raises(ValueError, match="q_block_size"):
-        cls(4, 128, 2, 3, 16, q_block_size=40)
-    with pytest.raises(ValueError, match="active_head_range"):
-        cls(4, 128, 2, 3, 16, active_head_range=(0, 5))
+class TestTorch(TorchAdapter, BlocksparseTests):
+    module_cls = at.LocalStridedBlockSparseAttn
+
+    def attend(self, q, k, v, cu_k, cu_q, layout, *, block_size, q_block_size=None, max_seqlen=None,
+               sm_scale=None, config=None):
+        crow, col = (np.ascontiguousarray(x) for x in layout)
+        # poison: the caching allocator hands this NaN block back to the op's output
+        poison = torch.full(q.shape, float("nan"), dtype=to_torch(q[:0]).dtype, device=DEVICE)
+        del poison
+        out = at.blocksparse_flash_attn_varlen_fwd(
+            to_torch(q), to_torch(k), to_torch(v), to_torch(cu_k),
+            None if cu_q is None else to_torch(cu_q), sm_scale, (to_torch(crow), to_torch(col)),
+            block_size=block_size, q_block_size=q_block_size, max_seqlen=max_seqlen, config=config)
+        return torch_to_numpy(out)
+
+    def test_compile_fullgraph(self):
+        attn = at.LocalStridedBlockSparseAttn(4, 128, 2, 3, 16, device=DEVICE)
+        q, k, v, cu_k, cu_q = make_batch(*MIXED, 4, 2, 16, "float32")
+        config = BlocksparsePrefillConfig(16, 16, 2, 1)
+
+        def f(q, k, v, cu_k, cu_q):
+            return attn(q, k, v, cu_k, cu_q) * 2 + attn(q, k, v, cu_k, cu_q, config=config)
+
+        backend = "inductor" if GPU else "aot_eager"
+        out = torch.compile(f, fullgraph=True, backend=backend)(*map(to_torch, (q, k, v, cu_k, cu_q)))
+        ref = reference(q, k, v, cu_k, cu_q, formula_block_mask(4, 8, 2, 3, False), 16)
+        assert_close(torch_to_numpy(out), 3 * ref, "float32", "compiled")
+
+    def test_plan_cached_and_grid_static(self):
+        (crow, col), _ = get_sparse_attn_mask(4, 128, 16, 2, 3, False)
+        q, k, v, cu_k, cu_q = make_batch(*MIXED, 4, 2, 16, "float32")
+        self.attend(q, k, v, cu_k, cu_q, (crow, col), block_size=16)
+        before = plan_blocksparse_attention.cache_info()
+        q2, k2, v2, cu_k2, cu_q2 = make_batch([80, 40, 10, 50, 45], [2, 40, 10, 34, 45], 4, 2, 16, "float32")
+        assert q2.shape == q.shape and k2.shape == k.shape
+        self.attend(q2, k2, v2, cu_k2, cu_q2, (crow, col), block_size=16)
+        assert plan_blocksparse_attention.cache_info().misses == before.misses
+
+    @requires_gpu
+    @pytest.mark.parametrize("decode", [False, True])
+    def test_gpu_cuda_graph_replay_new_lengths(self, decode):
+        attn = at.LocalStridedBlockSparseAttn(32, 2048, 16, 8, 64, device="cuda")
+        lens_k = [700, 1300]
+        lens_q = None if decode else [700, 300]
+        q, k, v, cu_k, cu_q = make_batch(lens_k, lens_q, 32, 8, 128, "bfloat16")
+        args = [to_torch(x) for x in (q, k, v, cu_k)] + [None if cu_q is None else to_torch(cu_q)]
+        attn(*args)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = attn(*args)
+        lens_k2 = [1500, 500]
+        lens_q2 = None if decode else [1000, 0]  # same total q tokens
+        q2, k2, v2, cu_k2, cu_q2 = make_batch(lens_k2, lens_q2, 32, 8, 128, "bfloat16")
+        for dst, src in zip(args, (q2, k2, v2, cu_k2, cu_q2)):
+            if dst is not None:
+                dst.copy_(to_torch(src))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = reference(q2, k2, v2, cu_k2, cu_q2, formula_block_mask(32, 32, 16, 8, False), 64)
+        assert_close(torch_to_numpy(out), ref, "bfloat16", "graph replay with new lengths")
 
 
-# ------------------------------------------------------------------ GPU
-PHI3 = dict(hq=32, hkv=8, d=128, bs=64, local=16, stride=8)
+class TestJax(JaxAdapter, BlocksparseTests):
+    @property
+    def module_cls(self):
+        import adapters.jax as aj
+        return aj.LocalStridedBlockSparseAttn
+
+    def attend(self, q, k, v, cu_k, cu_q, layout, *, block_size, q_block_size=None, max_seqlen=None,
+               sm_scale=None, config=None, jit=False):
+        import jax
+        import adapters.jax as aj
+        crow, col = (np.ascontiguousarray(x) for x in layout)
+        f = functools.partial(aj.blocksparse_flash_attn_varlen_fwd, sm_scale=sm_scale,
+                              block_size=block_size, q_block_size=q_block_size, max_seqlen=max_seqlen,
+                              config=config)
+
+        def call(q, k, v, cu_k, cu_q, crow, col):
+            return f(q, k, v, cu_k, cu_q, sparse_layout=(crow, col))
+        if jit:
+            call = jax.jit(call)
+        return np.asarray(call(to_jax(q), to_jax(k), to_jax(v), to_jax(cu_k),
+                               None if cu_q is None else to_jax(cu_q), to_jax(crow), to_jax(col)))
+
+    def test_jit_traced_lengths_do_not_recompile(self):
+        import jax
+        attn = self.module_cls(4, 128, 2, 3, 16)
+        f = jax.jit(lambda *a: attn(*a))
+        for lens_k, lens_q in ((MIXED[0], MIXED[1]), ([20, 30, 40, 60, 75], [20, 10, 11, 15, 75])):
+            q, k, v, cu_k, cu_q = make_batch(lens_k, lens_q, 4, 2, 16, "float32")
+            out = f(*map(to_jax, (q, k, v, cu_k, cu_q)))
+            ref = reference(q, k, v, cu_k, cu_q, formula_block_mask(4, 8, 2, 3, False), 16)
+            assert_close(self.numpy(out), ref, "float32", "jit")
+        assert f._cache_size() == 1, "new sequence lengths recompiled"
+
+
+# ------------------------------------------------------------------ torch vs JAX
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("case", ["mixed-perhead", "qblock2x"])
+def test_torch_and_jax_bitwise_equal(dtype, case):
+    (q, k, v, cu_k, cu_q), layout, _, opts = case_inputs(case, dtype)
+    t = TestTorch().attend(q, k, v, cu_k, cu_q, layout, **opts)
+    j = TestJax().attend(q, k, v, cu_k, cu_q, layout, jit=True, **opts)
+    assert_bitwise_equal(t, j, case)
+    lens = [5, 100, 64]
+    (crow, col), _ = get_sparse_attn_mask(4, 128, 16, 2, 3, False)
+    q, k, v, cu_k, _ = make_batch(lens, None, 4, 2, 32, dtype)
+    t = TestTorch().attend(q, k, v, cu_k, None, (crow, col), block_size=16)
+    j = TestJax().attend(q, k, v, cu_k, None, (crow, col), block_size=16, jit=True)
+    assert_bitwise_equal(t, j, "decode")
 
 
 @requires_gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_gpu_phi3_small_vs_reference_and_bitwise(dtype):
+    torch_, jax_ = TestTorch(), TestJax()
     lens_k, lens_q = [2048, 1500, 900, 4096], [2048, 1, 333, 1]
     (crow, col), _ = get_sparse_attn_mask(32, 4096, 64, 16, 8, False)
     q, k, v, cu_k, cu_q = make_batch(lens_k, lens_q, 32, 8, 128, dtype)
-    t = run("torch", q, k, v, cu_k, cu_q, (crow, col), block_size=64, max_seqlen=4096)
-    j = run("jax", q, k, v, cu_k, cu_q, (crow, col), block_size=64, max_seqlen=4096, jit=True)
+    t = torch_.attend(q, k, v, cu_k, cu_q, (crow, col), block_size=64, max_seqlen=4096)
+    j = jax_.attend(q, k, v, cu_k, cu_q, (crow, col), block_size=64, max_seqlen=4096, jit=True)
     assert_bitwise_equal(t, j, "torch vs jax")
     mask = formula_block_mask(32, 64, 16, 8, False)
     ref = reference(q, k, v, cu_k, cu_q, mask, 64)
     assert_close(t, ref, dtype, "phi3-small mixed")
     # decode-only, one sequence (split-KV path), bitwise too
     qd, kd, vd, cu_kd, _ = make_batch([4000], None, 32, 8, 128, dtype)
-    t = run("torch", qd, kd, vd, cu_kd, None, (crow, col), block_size=64)
-    j = run("jax", qd, kd, vd, cu_kd, None, (crow, col), block_size=64, jit=True)
+    t = torch_.attend(qd, kd, vd, cu_kd, None, (crow, col), block_size=64)
+    j = jax_.attend(qd, kd, vd, cu_kd, None, (crow, col), block_size=64, jit=True)
     assert_bitwise_equal(t, j, "decode torch vs jax")
     assert_close(t, reference(qd, kd, vd, cu_kd, None, mask, 64), dtype, "phi3-small decode")
     # decode-only batch of 8 x 8 KV heads: the GQA-packed kernel (varlen, split), bitwise too
     lens = [4096, 1, 64, 65, 1000, 3000, 4095, 2049]
     qd, kd, vd, cu_kd, _ = make_batch(lens, None, 32, 8, 128, dtype)
-    t = run("torch", qd, kd, vd, cu_kd, None, (crow, col), block_size=64)
-    j = run("jax", qd, kd, vd, cu_kd, None, (crow, col), block_size=64, jit=True)
+    t = torch_.attend(qd, kd, vd, cu_kd, None, (crow, col), block_size=64)
+    j = jax_.attend(qd, kd, vd, cu_kd, None, (crow, col), block_size=64, jit=True)
     assert_bitwise_equal(t, j, "packed decode torch vs jax")
     assert_close(t, reference(qd, kd, vd, cu_kd, None, mask, 64), dtype, "phi3-small packed decode")
     assert "_bsattn_decode_group_kernel" in run_plan_torch(qd, kd, vd, cu_kd, crow, col, 64)[1]
-
-
-@requires_gpu
-@pytest.mark.parametrize("decode", [False, True])
-def test_gpu_cuda_graph_replay_new_lengths(decode):
-    attn = at.LocalStridedBlockSparseAttn(32, 2048, 16, 8, 64, device="cuda")
-    lens_k = [700, 1300]
-    lens_q = None if decode else [700, 300]
-    q, k, v, cu_k, cu_q = make_batch(lens_k, lens_q, 32, 8, 128, "bfloat16")
-    args = [to_torch(x) for x in (q, k, v, cu_k)] + [None if cu_q is None else to_torch(cu_q)]
-    attn(*args)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = attn(*args)
-    lens_k2 = [1500, 500]
-    lens_q2 = None if decode else [1000, 0]  # same total q tokens
-    q2, k2, v2, cu_k2, cu_q2 = make_batch(lens_k2, lens_q2, 32, 8, 128, "bfloat16")
-    for dst, src in zip(args, (q2, k2, v2, cu_k2, cu_q2)):
-        if dst is not None:
-            dst.copy_(to_torch(src))
-    out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
-    ref = reference(q2, k2, v2, cu_k2, cu_q2, formula_block_mask(32, 32, 16, 8, False), 64)
-    assert_close(torch_to_numpy(out), ref, "bfloat16", "graph replay with new lengths")
-
-
-# ------------------------------------------------------------------ tile configs
-@pytest.mark.parametrize("case,cfg", [("mixed-perhead", dict(block_m=16, block_n=16)),
-                                      ("block32", dict(block_m=32, block_n=16)),
-                                      ("block32", dict(block_m=16, block_n=16))], ids=str)
-def test_prefill_tile_configs(case, cfg):
-    """Query tiles of a whole layout row or part of one (block_m <= block_size), K/V
-    sub-blocks (block_n < block_size); block_m beyond the layout row is refused."""
-    from adapters.torch._executor import info, run_plan
-    (q, k, v, cu_k, cu_q), (crow, col), block_mask, opts = case_inputs(case, "float32")
-    bs = opts["block_size"]
-    t = {n: to_torch(x) for n, x in dict(q=q, k=k, v=v, cu_seqlens_k=cu_k, cu_seqlens_q=cu_q,
-                                          crow=np.ascontiguousarray(crow),
-                                          col=np.ascontiguousarray(col)).items()}
-    plan = plan_blocksparse_attention(*(info(t[n]) for n in ("q", "k", "v", "cu_seqlens_k",
-                                                             "cu_seqlens_q", "crow", "col")),
-                                      block_size=bs, **cfg)
-    assert plan.launches[0].constexprs["BLOCK_M"] == cfg["block_m"]
-    with pytest.raises(ValueError, match="block_m"):
-        plan_blocksparse_attention(*(info(t[n]) for n in ("q", "k", "v", "cu_seqlens_k",
-                                                          "cu_seqlens_q", "crow", "col")),
-                                   block_size=bs, block_m=2 * bs, block_n=cfg["block_n"])
-    out = run_plan(plan, t, None, t["q"].device)["output"]
-    assert_close(torch_to_numpy(out), reference(q, k, v, cu_k, cu_q, block_mask, bs), "float32", str(cfg))

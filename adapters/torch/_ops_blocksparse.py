@@ -5,6 +5,7 @@ from typing import Optional
 
 import torch
 
+from core_kernels._plan import decode_config, encode_config
 from core_kernels.blocksparse_attention import get_sparse_attn_mask, plan_blocksparse_attention
 
 from ._executor import planned, run_plan
@@ -14,12 +15,12 @@ from ._register import custom_op
 def _bsattn_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_k: torch.Tensor,
                  cu_seqlens_q: Optional[torch.Tensor], crow: torch.Tensor, col: torch.Tensor,
                  sm_scale: Optional[float], block_size: int, q_block_size: Optional[int],
-                 max_seqlen: Optional[int]) -> torch.Tensor:
+                 max_seqlen: Optional[int], config: Optional[str]) -> torch.Tensor:
     plan, device = planned(plan_blocksparse_attention,
                            dict(q=q, k=k, v=v, cu_seqlens_k=cu_seqlens_k, cu_seqlens_q=cu_seqlens_q,
                                 crow=crow, col=col),
                            sm_scale=sm_scale, block_size=block_size, q_block_size=q_block_size,
-                           max_seqlen=max_seqlen)
+                           max_seqlen=max_seqlen, config=decode_config(config))
     tensors = dict(q=q, k=k, v=v, cu_seqlens_k=cu_seqlens_k, crow=crow, col=col)
     if cu_seqlens_q is not None:
         tensors["cu_seqlens_q"] = cu_seqlens_q
@@ -31,7 +32,7 @@ _bsattn_op = custom_op("blocksparse_flash_attn_varlen_fwd", _bsattn_impl,
 
 
 def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_scale, sparse_layout,
-                                      *, block_size=64, q_block_size=None, max_seqlen=None):
+                                      *, block_size=64, q_block_size=None, max_seqlen=None, config=None):
     """Causal block-sparse attention over packed (varlen) sequences.
 
     Args:
@@ -48,6 +49,11 @@ def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_sc
         q_block_size: a multiple of block_size; a query attends to the union of
             the columns of the layout rows of its q block (exact causal mask).
         max_seqlen: static bound on sequence lengths (default: what the layout covers).
+        config: optional kernel variant and tuning, overriding the planner's choice: a
+            ``core_kernels.blocksparse_attention`` ``BlocksparsePrefillConfig`` (any batch),
+            ``BlocksparseDecodeConfig`` (per-head split decode) or
+            ``BlocksparseGroupDecodeConfig`` (GQA-packed split decode); the decode
+            variants need a decode-only batch and q_block_size == block_size.
     Returns: [Tq, Hq, D] in q's dtype. No host synchronisation: works under
     torch.compile(fullgraph=True) and in CUDA graphs.
     """
@@ -55,15 +61,16 @@ def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_sc
     return _bsattn_op(q, k, v, cu_seqlens_k, cu_seqlens_q, crow, col,
                       None if sm_scale is None else float(sm_scale), int(block_size),
                       None if q_block_size is None else int(q_block_size),
-                      None if max_seqlen is None else int(max_seqlen))
+                      None if max_seqlen is None else int(max_seqlen), encode_config(config))
 
 
 class LocalStridedBlockSparseAttn(torch.nn.Module):
     """Local + vertical-stride block-sparse attention (Phi-3-small style).
 
     Holds the layout of ``get_sparse_attn_mask`` as buffers; ``forward(q, k, v,
-    cu_seqlens_k, cu_seqlens_q=None, sm_scale=None)`` -> [Tq, Hq, D], with
-    Hq = n_heads, or h1 - h0 with ``active_head_range=(h0, h1)``.
+    cu_seqlens_k, cu_seqlens_q=None, sm_scale=None, *, config=None)`` -> [Tq, Hq, D],
+    with Hq = n_heads, or h1 - h0 with ``active_head_range=(h0, h1)``; ``config`` as
+    blocksparse_flash_attn_varlen_fwd's.
     """
 
     def __init__(self, n_heads, max_seqlen, local_blocks, vert_stride, block_size, device=None,
@@ -86,7 +93,8 @@ class LocalStridedBlockSparseAttn(torch.nn.Module):
     def sparse_layout(self):
         return self.crow, self.col
 
-    def forward(self, q, k, v, cu_seqlens_k, cu_seqlens_q=None, sm_scale=None):
+    def forward(self, q, k, v, cu_seqlens_k, cu_seqlens_q=None, sm_scale=None, *, config=None):
         return blocksparse_flash_attn_varlen_fwd(
             q, k, v, cu_seqlens_k, cu_seqlens_q, sm_scale, (self.crow, self.col),
-            block_size=self.block_size, q_block_size=self.q_block_size, max_seqlen=self.max_seqlen)
+            block_size=self.block_size, q_block_size=self.q_block_size, max_seqlen=self.max_seqlen,
+            config=config)

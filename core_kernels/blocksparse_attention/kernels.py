@@ -1,11 +1,14 @@
 """Triton kernels for block-sparse varlen attention (framework-free).
 
-NOTE: strides and head counts are constexprs. jax-triton gives integer
-scalars no divisibility hints while a torch launch marks multiples of 16, so
-runtime strides compiled to different code in the two frameworks (unvectorised
-loads: JAX prefill ran 5x slower, and decode results differed in the last bit,
-seen on the H200). As constexprs both compile the very same kernel; they are
-fixed per model, so this costs no recompiles in practice.
+NOTE: strides and head counts are constexprs (layout constants). Passed as
+runtime integers they compiled to different code in the two frameworks before
+the package's integer policy (core_kernels._triton_utils.jit): jax-triton gave
+them no divisibility hints while a torch launch marked multiples of 16
+(unvectorised loads: JAX prefill ran 5x slower, and decode results differed in
+the last bit, seen on the H200, 2026-11-21, commit 6d3b5a0). As constexprs both compile the very same
+kernel with the alignment known; they are fixed per model, so this costs no
+recompiles in practice. The launched kernels use ``jit`` (the policy) for
+their remaining runtime integer (the sequence count).
 
 Three kernels:
 - ``_bsattn_fwd_kernel``: any batch (prefill, prefill over a cached prefix,
@@ -24,6 +27,8 @@ jax-triton bakes scalars into the program anyway), exp2.
 """
 import triton
 import triton.language as tl
+
+from .._triton_utils import jit
 
 LOG2E = 1.4426950408889634
 
@@ -111,7 +116,7 @@ def _attend_block(acc, m_i, l_i, b_q, k_ptrs, v_ptrs, kpos, q_pos, k_len, qk_sca
     return acc, m_new, l_i
 
 
-@triton.jit
+@jit
 def _bsattn_fwd_kernel(
     # input pointers
     q_ptr, k_ptr, v_ptr, cu_k_ptr, cu_q_ptr, crow_ptr, col_ptr,
@@ -254,7 +259,7 @@ def _store_decode_result(b_o, m_i, l_i, l_safe, p_out, p_part, p_lse, mask_o, ma
         tl.store(p_lse, tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf")), mask=mask_lse)
 
 
-@triton.jit
+@jit
 def _bsattn_decode_kernel(
     # input pointers
     q_ptr, k_ptr, v_ptr, cu_k_ptr, crow_ptr, col_ptr,
@@ -330,7 +335,7 @@ def _bsattn_decode_kernel(
                          None, NUM_SPLITS)
 
 
-@triton.jit
+@jit
 def _bsattn_combine_kernel(
     # input pointers
     part_ptr,
@@ -366,7 +371,7 @@ def _or(a, b):
     return a | b
 
 
-@triton.jit
+@jit
 def _bsattn_decode_group_kernel(
     # input pointers
     q_ptr, k_ptr, v_ptr, cu_k_ptr, crow_ptr, col_ptr,

@@ -1,39 +1,56 @@
-"""Validation and launch plan for block-sparse varlen attention (framework-free)."""
+"""Validation and launch plan for block-sparse varlen attention (framework-free).
+
+plan_blocksparse_attention: validate -> _Problem -> config (one frozen config
+type per kernel variant, chosen by the measured rules below or given with
+``config=``) -> launches. The config's type selects the variant:
+- BlocksparsePrefillConfig: _bsattn_fwd_kernel, any batch;
+- BlocksparseDecodeConfig: _bsattn_decode_kernel (one program per query head
+  and split) + _bsattn_combine_kernel, decode-only batches;
+- BlocksparseGroupDecodeConfig: _bsattn_decode_group_kernel (GQA-packed, one
+  program per KV head and split) + _bsattn_combine_kernel, decode-only batches.
+"""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from .._plan import (FLOAT_DTYPES, ITEMSIZE, ArrayInfo, Buffer, Launch, Plan, Scalar, cdiv,
-                     check_dtype, check_inner_contiguous, check_ndim, memoize, next_pow2)
+                     check_config, check_dtype, check_inner_contiguous, check_ndim, config_class,
+                     memoize, next_pow2)
+from .._target import Target
 from .kernels import (LOG2E, _bsattn_combine_kernel, _bsattn_decode_group_kernel,
                       _bsattn_decode_kernel, _bsattn_fwd_kernel)
 
 MAX_HEAD_SIZE = 256
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 # NOTE: decode splits a row's key blocks (flash-decoding) into
-# max(DECODE_TARGET_PROGRAMS / (B * Hq), row bound / DECODE_TILES_PER_SPLIT)
-# splits (H200: 132 SMs; the row bound is what the layout's shape allows, the
-# real row is often shorter), each split taking at least DECODE_MIN_PER_SPLIT
-# tiles at run time (the rest exit at once). Measured on the H200 (GPU time in
-# a CUDA graph, Phi-3-small): 1x16384 33 splits w4 20.6 us, 23 w2 16.2 us,
-# 33 w2 16.8 us, 23 w8 32.7 us; 64x4096 1 split w4 479 us, 4-9 w4 375-385 us,
-# 9 w2 288 us, 9 w8 618 us. Framework-free code cannot ask the device, so the
-# numbers are fixed here.
-DECODE_TARGET_PROGRAMS = 8 * 132
+# max(DECODE_PROGRAMS_PER_SM * SMs / (B * Hq), row bound / DECODE_TILES_PER_SPLIT)
+# splits (the row bound is what the layout's shape allows, the real row is
+# often shorter), each split taking at least DECODE_MIN_PER_SPLIT tiles at run
+# time (the rest exit at once). Measured on the H200 (2026-11-21, commit
+# bd50a48; 132 SMs: 8 * 132 programs; GPU time in a CUDA graph, Phi-3-small):
+# 1x16384 33 splits w4 20.6 us, 23 w2 16.2 us, 33 w2 16.8 us, 23 w8 32.7 us;
+# 64x4096 1 split w4 479 us, 4-9 w4 375-385 us, 9 w2 288 us, 9 w8 618 us.
+DECODE_PROGRAMS_PER_SM = 8
 DECODE_TILES_PER_SPLIT = 8
 DECODE_MIN_PER_SPLIT = 2
+DECODE_MAX_SPLITS = 64
 DECODE_WARPS = 2
+DECODE_STAGES = 2
 # NOTE: the cap at cdiv(row bound, DECODE_MIN_PER_SPLIT) took Phi-3-small
-# 1x16384 from 33 splits (10 always empty, 16.1 us) to 23 (15.5 us, H200).
+# 1x16384 from 33 splits (10 always empty, 16.1 us) to 23 (15.5 us, H200,
+# 2026-11-21, commit 221fefc).
 #
 # NOTE: GQA-packed decode (_bsattn_decode_group_kernel): one program per
 # (sequence, KV head, split) reads each K/V block of the union of its query
 # heads' rows once (Phi-3-small 64x4096: 671 MB instead of 1.48 GB). Splits
 # take interleaved chunks of DECODE_GROUP_MIN_CHUNK..MAX_CHUNK absolute block
-# positions; the split count aims at DECODE_GROUP_TARGET_PROGRAMS programs.
-# Measured on the H200 (GPU time in a CUDA graph, Phi-3-small, bf16):
-# 64x4096 per-head 276 us, packed 169 us (2 splits x 32-block chunks, w4 s3;
-# w2 171, s4 169, 1 split 178, 4x16 175, 8x8 173); 1x16384 packed 18.8 us
+# positions; the split count aims at DECODE_GROUP_PROGRAMS_PER_SM * SMs
+# programs (4 * 132 on the H200).
+# Measured on the H200 (2026-11-21, commit 221fefc; GPU time in a CUDA graph,
+# Phi-3-small, bf16): 64x4096 per-head 276 us, packed 169 us (2 splits x
+# 32-block chunks, w4 s3; w2 171, s4 169, 1 split 178, 4x16 175, 8x8 173);
+# 1x16384 packed 18.8 us
 # (64 x 4, w4 s3; 32x8 19.3, 16x16 23.9, w2 19.5, w8 23.0) vs per-head 15.5:
 # a lone sequence is latency-bound (few blocks per program, a longer
 # prologue), so packing is used only from DECODE_GROUP_MIN_PROGRAMS
@@ -42,50 +59,96 @@ DECODE_WARPS = 2
 # 4x4096 29.6 / 19.5, 4x16384 51.9 / 47.7; 64 (8x4096) 45.1 / 31.4; 128
 # (16x4096) 76.0 / 54.8. B*Hkv = 16 is not measured.
 DECODE_GROUP_MIN_PROGRAMS = 32
-DECODE_GROUP_TARGET_PROGRAMS = 4 * 132
+DECODE_GROUP_PROGRAMS_PER_SM = 4
 DECODE_GROUP_MIN_CHUNK = 4
 DECODE_GROUP_MAX_CHUNK = 32
 DECODE_GROUP_WARPS = 4
 DECODE_GROUP_STAGES = 3
+PREFILL_STAGES = 3
 # NOTE: shared memory per CTA on Hopper is 227 KiB; keep Q + stages x (K + V)
-# under this so large D / fp32 still compile.
+# under this so large D / fp32 still compile. (Hopper's figure: the kernels are
+# tuned for it; other GPUs with less shared memory may need fewer stages.)
 SMEM_BUDGET = 200 * 1024
 
 
-def _prefill_config(block_size, d_pad, itemsize, group, block_m, block_n, num_warps, num_stages):
-    # NOTE: 64 x 64 tiles (one warpgroup, 4 warps, 3 stages: 2 CTAs per SM)
-    # match the 64-token layout rows of the models this serves. Measured on the
-    # H200 at 1x16384 (Phi-3-small): 64x64 w4 s3 1431 us; 128-row tiles spanning
-    # two layout rows (walking the union of their columns, each half masked to
-    # its row; built, measured, then removed) w8 s2 1709 us, w8 s3 1733 us,
-    # w4 s2 2138 us, 128x32 w8 s3 2253 us (255 registers: one CTA per SM, the
-    # two warpgroups wait on each other); (64,64,8,3) 0.48x, (32,64,4,3) 0.43x,
-    # (64,64,4,4) 0.62x the default's speed. See benchmarks/sweep_blocksparse.py.
-    bm = block_m or min(block_size, 64)
-    bn = block_n or min(block_size, 64)
-    stages = num_stages or 3
-    while (bm + stages * 2 * bn) * d_pad * itemsize > SMEM_BUDGET:
-        if stages > 1:
-            stages -= 1
-        elif bn > 16:
-            bn //= 2
-        elif bm > 16:
-            bm //= 2
-        else:
-            break
-    warps = num_warps or (8 if bm >= 128 or d_pad > 128 else 4)
-    return bm, bn, warps, stages
+@config_class
+class BlocksparsePrefillConfig:
+    """_bsattn_fwd_kernel (any batch: prefill, prefill over a cached prefix,
+    decode, mixed): query tiles of ``block_m`` rows and K/V tiles of ``block_n``
+    keys, both powers of two >= 16 (tl.dot) dividing block_size (a query tile
+    lies in one layout row)."""
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = PREFILL_STAGES
+
+
+@config_class
+class BlocksparseDecodeConfig:
+    """_bsattn_decode_kernel: decode-only batches, one program per (sequence,
+    query head, split); ``splits`` > 1 adds _bsattn_combine_kernel."""
+    splits: int
+    num_warps: int = DECODE_WARPS
+    num_stages: int = DECODE_STAGES
+
+
+@config_class
+class BlocksparseGroupDecodeConfig:
+    """_bsattn_decode_group_kernel: decode-only batches, one program per
+    (sequence, KV head, split) over the union of its query heads' rows;
+    key blocks in ``chunk``-block chunks (a power of two in [2, 32]) taken
+    round-robin by at most ``splits`` splits (> 1 adds _bsattn_combine_kernel)."""
+    splits: int
+    chunk: int
+    num_warps: int = DECODE_GROUP_WARPS
+    num_stages: int = DECODE_GROUP_STAGES
+
+
+CONFIG_TYPES = (BlocksparsePrefillConfig, BlocksparseDecodeConfig, BlocksparseGroupDecodeConfig)
+_DECODE_TYPES = (BlocksparseDecodeConfig, BlocksparseGroupDecodeConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Problem:
+    tq: int
+    hq: int
+    hkv: int
+    d: int
+    dtype: str
+    b: int                 # sequences
+    decode_only: bool      # one query per sequence (no cu_seqlens_q, Tq == B)
+    has_cu_q: bool
+    block_size: int
+    group: int             # layout rows per query block (q_block_size // block_size)
+    nb: int                # layout rows
+    nnz: int               # col's last dimension: with nb, a bound on a row's length
+    max_seqlen: int
+    qk_scale: float
+    layout: dict           # strides (constexprs: fixed per model)
+
+    @property
+    def d_pad(self) -> int:
+        return max(16, next_pow2(self.d))
+
+    @property
+    def qpk(self) -> int:
+        return self.hq // self.hkv
+
+    @property
+    def empty(self) -> bool:
+        return self.tq == 0 or self.b == 0 or self.hq == 0
+
+    @property
+    def decode_kernels_apply(self) -> bool:
+        return self.decode_only and self.group == 1
 
 
 @memoize
 def plan_blocksparse_attention(
-    q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, cu_seqlens_k: ArrayInfo,
+    target: Target, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, cu_seqlens_k: ArrayInfo,
     cu_seqlens_q: ArrayInfo | None, crow: ArrayInfo, col: ArrayInfo, *,
     sm_scale: float | None = None, block_size: int = 64, q_block_size: int | None = None,
-    max_seqlen: int | None = None, block_m: int | None = None, block_n: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None,
-    decode_splits: int | None = None, use_decode_kernel: bool = True,
-    decode_group: bool | None = None, decode_chunk: int | None = None,
+    max_seqlen: int | None = None, config=None,
 ) -> Plan:
     """Plan ``blocksparse_flash_attn_varlen_fwd`` (see the adapters' docstrings).
 
@@ -93,11 +156,86 @@ def plan_blocksparse_attention(
     the plan allocates ``output`` [Tq, Hq, D] (q's dtype) and, for split
     decode, fp32 scratch. Nothing here reads device data: grids come from
     shapes and ``max_seqlen`` (default: what the layout covers).
-    The keyword arguments after ``max_seqlen`` override tuning choices.
+    ``config``: one of CONFIG_TYPES, selecting the kernel variant and its
+    tuning (default: :func:`choose_config`'s choice).
     """
+    check_config(config, CONFIG_TYPES)
+    p = _validate(q, k, v, cu_seqlens_k, cu_seqlens_q, crow, col, sm_scale, block_size,
+                  q_block_size, max_seqlen)
+    if config is not None:
+        _check_variant(type(config), p)
+        _check_fields(config, p)
+    buffers = {"output": Buffer((p.tq, p.hq, p.d), p.dtype)}
+    if p.empty:
+        return Plan(buffers, (), ("output",))
+    config = config or _choose(target, p)
+    if isinstance(config, BlocksparsePrefillConfig):
+        launches = (_prefill_launch(p, config),)
+    elif isinstance(config, BlocksparseDecodeConfig):
+        launches = _decode_launches(p, config, buffers)
+    else:
+        launches = _group_decode_launches(p, config, buffers)
+    return Plan(buffers, launches, ("output",))
+
+
+def choose_config(target: Target, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo,
+                  cu_seqlens_k: ArrayInfo, cu_seqlens_q: ArrayInfo | None, crow: ArrayInfo,
+                  col: ArrayInfo, *, sm_scale: float | None = None, block_size: int = 64,
+                  q_block_size: int | None = None, max_seqlen: int | None = None, variant=None,
+                  splits: int | None = None):
+    """The config plan_blocksparse_attention chooses for these arguments, or with
+    ``variant`` (one of CONFIG_TYPES) the measured rule's config of that variant;
+    ``splits`` (decode variants) asks for that many splits instead of the rule's
+    count, the packed kernel's chunk following from it. For tuning sweeps."""
+    p = _validate(q, k, v, cu_seqlens_k, cu_seqlens_q, crow, col, sm_scale, block_size,
+                  q_block_size, max_seqlen)
+    variant = variant or type(_choose(target, p))
+    if variant not in CONFIG_TYPES:
+        raise TypeError(f"variant: expected one of {[c.__name__ for c in CONFIG_TYPES]}, got {variant!r}")
+    _check_variant(variant, p)
+    if variant is BlocksparsePrefillConfig:
+        return _prefill_config(target, p)
+    if variant is BlocksparseDecodeConfig:
+        return _decode_config(target, p, splits)
+    return _group_decode_config(target, p, splits)
+
+
+# ---------------------------------------------------------------- validation
+def _validate(q, k, v, cu_seqlens_k, cu_seqlens_q, crow, col, sm_scale, block_size, q_block_size,
+              max_seqlen) -> _Problem:
+    _validate_qkv(q, k, v)
+    tq, hq, d = q.shape
+    b, decode_only = _validate_batch(cu_seqlens_k, cu_seqlens_q, tq, k.shape[0])
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"block_size: expected one of {BLOCK_SIZES}, got {block_size!r}")
+    if q_block_size is None:
+        q_block_size = block_size
+    if not isinstance(q_block_size, int) or q_block_size < block_size or q_block_size % block_size:
+        raise ValueError(f"q_block_size: expected a positive multiple of block_size={block_size}, "
+                         f"got {q_block_size!r}")
+    layout_heads, nb = _validate_layout(crow, col, hq)
+    covered = nb * block_size
+    if max_seqlen is None:
+        max_seqlen = covered
+    if not isinstance(max_seqlen, int) or max_seqlen < 1:
+        raise ValueError(f"max_seqlen: expected a positive int, got {max_seqlen!r}")
+    if max_seqlen > covered:
+        raise ValueError(f"max_seqlen: {max_seqlen} exceeds the {covered} tokens the layout covers "
+                         f"({nb} blocks of {block_size})")
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    strides = (*q.strides[:2], *k.strides[:2], *v.strides[:2], hq * d, d,
+               crow.strides[0] if layout_heads > 1 else 0, col.strides[0] if layout_heads > 1 else 0)
+    layout = dict(zip(("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
+                       "stride_vh", "stride_ot", "stride_oh", "stride_crow_h", "stride_col_h"),
+                      strides))
+    return _Problem(tq, hq, k.shape[1], d, q.dtype, b, decode_only, cu_seqlens_q is not None,
+                    block_size, q_block_size // block_size, nb, col.shape[-1], max_seqlen,
+                    scale * LOG2E, layout)
+
+
+def _validate_qkv(q, k, v) -> None:
     check_ndim("q", q, 3, "[Tq, Hq, D]")
     check_dtype("q", q, FLOAT_DTYPES)
-    tq, hq, d = q.shape
     check_ndim("k", k, 3, "[Tk, Hkv, D]")
     check_ndim("v", v, 3, "[Tk, Hkv, D]")
     if tuple(v.shape) != tuple(k.shape):
@@ -105,7 +243,8 @@ def plan_blocksparse_attention(
     for name, info in (("k", k), ("v", v)):
         if info.dtype != q.dtype:
             raise TypeError(f"{name}: dtype {info.dtype} differs from q's {q.dtype}")
-    tk, hkv, dk = k.shape
+    _, hq, d = q.shape
+    _, hkv, dk = k.shape
     if dk != d:
         raise ValueError(f"k: head size {dk} differs from q's {d}")
     if not 1 <= d <= MAX_HEAD_SIZE:
@@ -115,6 +254,9 @@ def plan_blocksparse_attention(
     for name, info in (("q", q), ("k", k), ("v", v)):
         check_inner_contiguous(name, info)
 
+
+def _validate_batch(cu_seqlens_k, cu_seqlens_q, tq, tk) -> tuple[int, bool]:
+    """(B, decode-only) from the cumulative lengths' shapes."""
     check_ndim("cu_seqlens_k", cu_seqlens_k, 1, "[B + 1]")
     check_dtype("cu_seqlens_k", cu_seqlens_k, ("int32",))
     if cu_seqlens_k.shape[0] < 1:
@@ -125,24 +267,17 @@ def plan_blocksparse_attention(
         if tuple(cu_seqlens_q.shape) != tuple(cu_seqlens_k.shape):
             raise ValueError(f"cu_seqlens_q: shape {tuple(cu_seqlens_q.shape)} does not match "
                              f"cu_seqlens_k's {tuple(cu_seqlens_k.shape)} (one entry per sequence + 1)")
-        decode_only = False
-    elif tq == b:
-        decode_only = True
-    elif tq == tk:
-        decode_only = False
-    else:
-        raise ValueError(f"cu_seqlens_q: needed when q has {tq} tokens, neither B = {b} "
-                         f"(decode) nor k's {tk} (full prefill)")
+        return b, False
+    if tq == b:
+        return b, True
+    if tq == tk:
+        return b, False
+    raise ValueError(f"cu_seqlens_q: needed when q has {tq} tokens, neither B = {b} "
+                     f"(decode) nor k's {tk} (full prefill)")
 
-    if block_size not in BLOCK_SIZES:
-        raise ValueError(f"block_size: expected one of {BLOCK_SIZES}, got {block_size!r}")
-    if q_block_size is None:
-        q_block_size = block_size
-    if not isinstance(q_block_size, int) or q_block_size < block_size or q_block_size % block_size:
-        raise ValueError(f"q_block_size: expected a positive multiple of block_size={block_size}, "
-                         f"got {q_block_size!r}")
-    group = q_block_size // block_size
 
+def _validate_layout(crow, col, hq) -> tuple[int, int]:
+    """(layout heads, layout rows NB) of the (crow, col) CSR layout."""
     for name, info in (("crow", crow), ("col", col)):
         if info.ndim not in (1, 2):
             raise ValueError(f"sparse_layout: {name} must be [H, ...] or 1-D, got shape {tuple(info.shape)}")
@@ -158,147 +293,178 @@ def plan_blocksparse_attention(
     nb = crow.shape[-1] - 1
     if nb < 1:
         raise ValueError(f"sparse_layout: crow must have NB + 1 >= 2 entries per head, got {crow.shape}")
-    covered = nb * block_size
-    if max_seqlen is None:
-        max_seqlen = covered
-    if not isinstance(max_seqlen, int) or max_seqlen < 1:
-        raise ValueError(f"max_seqlen: expected a positive int, got {max_seqlen!r}")
-    if max_seqlen > covered:
-        raise ValueError(f"max_seqlen: {max_seqlen} exceeds the {covered} tokens the layout covers "
-                         f"({nb} blocks of {block_size})")
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-    qk_scale = scale * LOG2E
-    stride_crow_h = crow.strides[0] if layout_heads > 1 else 0
-    stride_col_h = col.strides[0] if layout_heads > 1 else 0
+    return layout_heads, nb
 
-    buffers = {"output": Buffer((tq, hq, d), q.dtype)}
-    if tq == 0 or b == 0 or hq == 0:
-        return Plan(buffers, (), ("output",))
-    d_pad = max(16, next_pow2(d))
-    even_d = d_pad == d
-    cu_q_name = "cu_seqlens_q" if cu_seqlens_q is not None else "cu_seqlens_k"
-    strides = (*q.strides[:2], *k.strides[:2], *v.strides[:2])
-    out_strides = (hq * d, d)
-    layout_consts = dict(zip(("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
-                              "stride_vh", "stride_ot", "stride_oh", "stride_crow_h",
-                              "stride_col_h"),
-                             (*strides, *out_strides, stride_crow_h, stride_col_h)))
 
-    qpk = hq // hkv
-    if decode_group is None:
-        heads = max(2, min(next_pow2(qpk), 16))
-        decode_group = qpk > 1 and b * hkv * cdiv(qpk, heads) >= DECODE_GROUP_MIN_PROGRAMS
-    if decode_only and group == 1 and use_decode_kernel and decode_group:
-        return _plan_decode_group(buffers, q, d, d_pad, even_d, b, hq, hkv, block_size, max_seqlen,
-                                  layout_consts, qk_scale, decode_splits, decode_chunk, num_warps,
-                                  num_stages)
-    if decode_only and group == 1 and use_decode_kernel:
-        bn = min(block_size, 64)
-        row_bound = cdiv(min(col.shape[-1], nb) * block_size, bn)   # K/V tiles in a row, at most
-        if decode_splits is None:
-            # a split below DECODE_MIN_PER_SPLIT tiles never has work: cap there
-            splits = max(1, min(max(cdiv(DECODE_TARGET_PROGRAMS, b * hq),
-                                    cdiv(row_bound, DECODE_TILES_PER_SPLIT)),
-                                cdiv(row_bound, DECODE_MIN_PER_SPLIT), 64))
-        else:
-            splits = int(decode_splits)
-        # one split writes the output directly; the scratch is then a 1-element dummy.
-        # Partial outputs [B, Hq, S, D] then their log2-sum-exps [B, Hq, S], in one
-        # fp32 buffer (one allocation less per call: host time).
-        lse_offset = b * hq * splits * d
-        buffers["partials"] = Buffer((lse_offset + b * hq * splits,) if splits > 1 else (1,),
-                                     "float32")
-        part = ("partials",)
-        decode = Launch(
-            kernel=_bsattn_decode_kernel, grid=(b * hq * splits,),
-            args=("q", "k", "v", "cu_seqlens_k", "crow", "col"),
-            outputs=("output", *part),
-            constexprs=dict(num_heads=hq, head_size=d, num_queries_per_kv=hq // hkv,
-                            **layout_consts, BLOCK_SIZE=block_size, BLOCK_N=bn, BLOCK_D=d_pad,
-                            NUM_SPLITS=splits, MIN_PER_SPLIT=DECODE_MIN_PER_SPLIT,
-                            LSE_OFFSET=lse_offset, EVEN_D=even_d, QK_SCALE=qk_scale),
-            num_warps=num_warps or DECODE_WARPS, num_stages=num_stages or 2)
-        launches = [decode]
-        if splits > 1:
-            launches.append(Launch(
-                kernel=_bsattn_combine_kernel, grid=(b * hq,),
-                args=("partials",),
-                outputs=("output",),
-                constexprs=dict(num_heads=hq, head_size=d, stride_ot=out_strides[0],
-                                stride_oh=out_strides[1], NUM_SPLITS=splits, LSE_OFFSET=lse_offset, S_P2=next_pow2(splits),
-                                BLOCK_D=d_pad),
-                num_warps=4, num_stages=1))
-        return Plan(buffers, tuple(launches), ("output",))
+def _check_variant(cls, p: _Problem) -> None:
+    """The kernel variant of config type ``cls`` can run the problem's inputs."""
+    if issubclass(cls, _DECODE_TYPES) and not p.decode_kernels_apply:
+        raise ValueError(f"config: {cls.__name__} runs decode-only batches (one query per sequence: "
+                         "cu_seqlens_q None and Tq == B) with q_block_size == block_size; "
+                         "use BlocksparsePrefillConfig for these inputs")
 
-    bm, bn, warps, stages = _prefill_config(block_size, d_pad, ITEMSIZE[q.dtype], group,
-                                            block_m, block_n, num_warps, num_stages)
-    if block_size % bm or block_size % bn or bn < 16:
-        raise ValueError(f"block_m and block_n (>= 16, tl.dot) must divide block_size={block_size}, "
-                         f"got {bm}/{bn}")
-    q_tokens = b if decode_only else tq
+
+def _check_fields(config, p: _Problem) -> None:
+    if config.num_warps not in (1, 2, 4, 8, 16) or config.num_stages < 1:
+        raise ValueError(f"config: num_warps must be a power of two <= 16 and num_stages >= 1, "
+                         f"got {config}")
+    if isinstance(config, BlocksparsePrefillConfig):
+        bm, bn, bs = config.block_m, config.block_n, p.block_size
+        if bm < 16 or bn < 16 or bs % bm or bs % bn:
+            raise ValueError(f"config: block_m and block_n (>= 16, tl.dot) must divide "
+                             f"block_size={bs}, got {bm}/{bn}")
+        return
+    if config.splits < 1:
+        raise ValueError(f"config: splits must be >= 1, got {config.splits}")
+    if isinstance(config, BlocksparseGroupDecodeConfig):
+        c = config.chunk
+        if c < 2 or c > 32 or c & (c - 1):
+            raise ValueError(f"config: chunk must be a power of two in [2, 32], got {c}")
+
+
+# ---------------------------------------------------------------- configs (measured rules)
+def _choose(target: Target, p: _Problem):
+    if p.decode_kernels_apply and _group_decode_pays(p):
+        return _group_decode_config(target, p)
+    if p.decode_kernels_apply:
+        return _decode_config(target, p)
+    return _prefill_config(target, p)
+
+
+def _fit_stages(rows: int, block_n: int, stages: int, p: _Problem) -> int:
+    """Fewer pipeline stages until Q + stages x (K + V) fits SMEM_BUDGET. One
+    stage of tiles <= 64 always fits (D <= 256 fp32: (64 + 2 * 64) * 256 * 4 B
+    = 192 KiB), so the tiles themselves never need to shrink."""
+    while stages > 1 and (rows + stages * 2 * block_n) * p.d_pad * ITEMSIZE[p.dtype] > SMEM_BUDGET:
+        stages -= 1
+    return stages
+
+
+def _prefill_config(target: Target, p: _Problem) -> BlocksparsePrefillConfig:
+    # NOTE: 64 x 64 tiles (one warpgroup, 4 warps, 3 stages: 2 CTAs per SM)
+    # match the 64-token layout rows of the models this serves. Measured on the
+    # H200 (2026-11-21, commits bd50a48 and b53c130) at 1x16384 (Phi-3-small):
+    # 64x64 w4 s3 1431 us; 128-row tiles spanning two layout rows (walking the
+    # union of their columns, each half masked to its row; built, measured, then
+    # removed) w8 s2 1709 us, w8 s3 1733 us, w4 s2 2138 us, 128x32 w8 s3 2253 us
+    # (255 registers: one CTA per SM, the two warpgroups wait on each other);
+    # (64,64,8,3) 0.48x, (32,64,4,3) 0.43x, (64,64,4,4) 0.62x the default's
+    # speed. See benchmarks/sweep_blocksparse.py. 8 warps for D > 128.
+    bm = bn = min(p.block_size, 64)
+    return BlocksparsePrefillConfig(bm, bn, 8 if p.d_pad > 128 else 4,
+                                    _fit_stages(bm, bn, PREFILL_STAGES, p))
+
+
+def _decode_block_n(p: _Problem) -> int:
+    return min(p.block_size, 64)
+
+
+def _decode_config(target: Target, p: _Problem, splits: int | None = None) -> BlocksparseDecodeConfig:
+    if splits is not None:
+        return BlocksparseDecodeConfig(splits, DECODE_WARPS, DECODE_STAGES)
+    row_bound = cdiv(min(p.nnz, p.nb) * p.block_size, _decode_block_n(p))  # K/V tiles in a row, at most
+    # a split below DECODE_MIN_PER_SPLIT tiles never has work: cap there
+    splits = max(1, min(max(cdiv(DECODE_PROGRAMS_PER_SM * target.num_sms, p.b * p.hq),
+                            cdiv(row_bound, DECODE_TILES_PER_SPLIT)),
+                        cdiv(row_bound, DECODE_MIN_PER_SPLIT), DECODE_MAX_SPLITS))
+    return BlocksparseDecodeConfig(splits, DECODE_WARPS, DECODE_STAGES)
+
+
+def _group_heads(p: _Problem) -> int:
+    """Query heads per packed program (the dots' M rows: at least 16 with padding)."""
+    return max(2, min(next_pow2(p.qpk), 16))
+
+
+def _group_decode_pays(p: _Problem) -> bool:
+    return p.qpk > 1 and p.b * p.hkv * cdiv(p.qpk, _group_heads(p)) >= DECODE_GROUP_MIN_PROGRAMS
+
+
+def _group_decode_config(target: Target, p: _Problem,
+                         want: int | None = None) -> BlocksparseGroupDecodeConfig:
+    positions = cdiv(p.max_seqlen, p.block_size)           # key blocks a row can reach
+    progs = p.b * p.hkv * cdiv(p.qpk, _group_heads(p))
+    want = want or max(1, cdiv(DECODE_GROUP_PROGRAMS_PER_SM * target.num_sms, progs))
+    chunk = min(max(next_pow2(cdiv(positions, want)), DECODE_GROUP_MIN_CHUNK), DECODE_GROUP_MAX_CHUNK)
+    stages = _fit_stages(max(16, _group_heads(p)), _decode_block_n(p), DECODE_GROUP_STAGES, p)
+    return BlocksparseGroupDecodeConfig(max(1, min(want, cdiv(positions, chunk))), chunk,
+                                        DECODE_GROUP_WARPS, stages)
+
+
+# ---------------------------------------------------------------- launches
+_INPUTS = dict(q_ptr="q", k_ptr="k", v_ptr="v", cu_k_ptr="cu_seqlens_k", crow_ptr="crow",
+               col_ptr="col")
+
+
+def _prefill_launch(p: _Problem, config: BlocksparsePrefillConfig) -> Launch:
+    bm = config.block_m
+    q_tokens = p.b if p.decode_only else p.tq
     # tiles of one sequence <= ceil(q_len / BM) + 1 (alignment) and <= ceil(max_seqlen / BM)
-    n_flat = min(cdiv(q_tokens, bm) + 2 * b, b * cdiv(max_seqlen, bm))
-    launch = Launch(
-        kernel=_bsattn_fwd_kernel, grid=(n_flat * hq,),
-        args=("q", "k", "v", "cu_seqlens_k", cu_q_name, "crow", "col", Scalar(b)),
-        outputs=("output",),
-        constexprs=dict(num_heads=hq, num_rows=nb, head_size=d, num_queries_per_kv=hq // hkv,
-                        **layout_consts, BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d_pad, GROUP=group,
-                        B_P2=max(2, next_pow2(b)), NNZ_P2=max(2, next_pow2(min(col.shape[-1], nb))),
-                        CNT_CHUNK=64, DECODE_Q=decode_only, EVEN_D=even_d,
-                        IS_FP32=q.dtype == "float32", QK_SCALE=qk_scale),
-        num_warps=warps, num_stages=stages)
-    return Plan(buffers, (launch,), ("output",))
+    n_flat = min(cdiv(q_tokens, bm) + 2 * p.b, p.b * cdiv(p.max_seqlen, bm))
+    return Launch(
+        kernel=_bsattn_fwd_kernel, grid=(n_flat * p.hq,),
+        params=dict(_INPUTS, cu_q_ptr="cu_seqlens_q" if p.has_cu_q else "cu_seqlens_k",
+                    num_seqs=Scalar(p.b), out_ptr="output"),
+        writes=("out_ptr",),
+        constexprs=dict(num_heads=p.hq, num_rows=p.nb, head_size=p.d, num_queries_per_kv=p.qpk,
+                        **p.layout, BLOCK_SIZE=p.block_size, BLOCK_M=bm, BLOCK_N=config.block_n,
+                        BLOCK_D=p.d_pad, GROUP=p.group, B_P2=max(2, next_pow2(p.b)),
+                        NNZ_P2=max(2, next_pow2(min(p.nnz, p.nb))), CNT_CHUNK=64,
+                        DECODE_Q=p.decode_only, EVEN_D=p.d_pad == p.d,
+                        IS_FP32=p.dtype == "float32", QK_SCALE=p.qk_scale),
+        num_warps=config.num_warps, num_stages=config.num_stages)
 
 
-def _plan_decode_group(buffers, q, d, d_pad, even_d, b, hq, hkv, block_size, max_seqlen,
-                       layout_consts, qk_scale, decode_splits, decode_chunk, num_warps, num_stages):
-    qpk = hq // hkv
-    heads = max(2, min(next_pow2(qpk), 16))        # query heads per program
-    n_hb = cdiv(qpk, heads)
-    block_m = max(16, heads)
-    itemsize = ITEMSIZE[q.dtype]
-    bn = min(block_size, 64)
-    stages = num_stages or DECODE_GROUP_STAGES
-    while (block_m + stages * 2 * bn) * d_pad * itemsize > SMEM_BUDGET:
-        if stages > 1:
-            stages -= 1
-        elif bn > 16:
-            bn //= 2
-        else:
-            break
-    positions = cdiv(max_seqlen, block_size)           # key blocks a row can reach
-    progs = b * hkv * n_hb
-    want = int(decode_splits) if decode_splits else max(1, cdiv(DECODE_GROUP_TARGET_PROGRAMS, progs))
-    if decode_chunk:
-        chunk = int(decode_chunk)
-        if chunk < 2 or chunk > 32 or chunk & (chunk - 1):
-            raise ValueError(f"decode_chunk: expected a power of two in [2, 32], got {chunk}")
-    else:
-        chunk = min(max(next_pow2(cdiv(positions, want)), DECODE_GROUP_MIN_CHUNK),
-                    DECODE_GROUP_MAX_CHUNK)
-    n_chunks = cdiv(positions, chunk)
-    splits = max(1, min(want, n_chunks))
-    n_sub = cdiv(n_chunks, splits)
-    lse_offset = b * hq * splits * d
-    buffers["partials"] = Buffer((lse_offset + b * hq * splits,) if splits > 1 else (1,), "float32")
+def _partials(p: _Problem, splits: int, buffers: dict) -> int:
+    """Adds the split-decode scratch to ``buffers``; returns LSE_OFFSET.
+
+    Partial outputs [B, Hq, S, D] then their log2-sum-exps [B, Hq, S], in one
+    fp32 buffer (one allocation less per call: host time). One split writes
+    the output directly; the scratch is then a 1-element dummy."""
+    lse_offset = p.b * p.hq * splits * p.d
+    buffers["partials"] = Buffer((lse_offset + p.b * p.hq * splits,) if splits > 1 else (1,),
+                                 "float32")
+    return lse_offset
+
+
+def _combine_launch(p: _Problem, splits: int, lse_offset: int) -> Launch:
+    return Launch(
+        kernel=_bsattn_combine_kernel, grid=(p.b * p.hq,),
+        params=dict(part_ptr="partials", out_ptr="output"), writes=("out_ptr",),
+        constexprs=dict(num_heads=p.hq, head_size=p.d, stride_ot=p.layout["stride_ot"],
+                        stride_oh=p.layout["stride_oh"], NUM_SPLITS=splits, LSE_OFFSET=lse_offset,
+                        S_P2=next_pow2(splits), BLOCK_D=p.d_pad),
+        num_warps=4, num_stages=1)
+
+
+def _decode_launches(p: _Problem, config: BlocksparseDecodeConfig, buffers: dict) -> tuple:
+    splits = config.splits
+    lse_offset = _partials(p, splits, buffers)
     decode = Launch(
-        kernel=_bsattn_decode_group_kernel, grid=(progs * splits,),
-        args=("q", "k", "v", "cu_seqlens_k", "crow", "col"),
-        outputs=("output", "partials"),
-        constexprs=dict(num_heads=hq, head_size=d, num_queries_per_kv=qpk, **layout_consts,
-                        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_D=d_pad,
-                        HEADS=heads, CHUNK=chunk, CNT_CHUNK=64, NUM_SPLITS=splits, NUM_SUB=n_sub,
-                        LSE_OFFSET=lse_offset, EVEN_D=even_d, IS_FP32=q.dtype == "float32",
-                        QK_SCALE=qk_scale),
-        num_warps=num_warps or DECODE_GROUP_WARPS, num_stages=stages)
-    launches = [decode]
-    if splits > 1:
-        launches.append(Launch(
-            kernel=_bsattn_combine_kernel, grid=(b * hq,),
-            args=("partials",), outputs=("output",),
-            constexprs=dict(num_heads=hq, head_size=d, stride_ot=layout_consts["stride_ot"],
-                            stride_oh=layout_consts["stride_oh"], NUM_SPLITS=splits,
-                            LSE_OFFSET=lse_offset, S_P2=next_pow2(splits), BLOCK_D=d_pad),
-            num_warps=4, num_stages=1))
-    return Plan(buffers, tuple(launches), ("output",))
+        kernel=_bsattn_decode_kernel, grid=(p.b * p.hq * splits,),
+        params=dict(_INPUTS, out_ptr="output", part_ptr="partials"),
+        writes=("out_ptr", "part_ptr"),
+        constexprs=dict(num_heads=p.hq, head_size=p.d, num_queries_per_kv=p.qpk, **p.layout,
+                        BLOCK_SIZE=p.block_size, BLOCK_N=_decode_block_n(p), BLOCK_D=p.d_pad,
+                        NUM_SPLITS=splits, MIN_PER_SPLIT=DECODE_MIN_PER_SPLIT,
+                        LSE_OFFSET=lse_offset, EVEN_D=p.d_pad == p.d, QK_SCALE=p.qk_scale),
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return (decode, _combine_launch(p, splits, lse_offset)) if splits > 1 else (decode,)
+
+
+def _group_decode_launches(p: _Problem, config: BlocksparseGroupDecodeConfig, buffers: dict) -> tuple:
+    heads = _group_heads(p)
+    n_chunks = cdiv(cdiv(p.max_seqlen, p.block_size), config.chunk)
+    splits = max(1, min(config.splits, n_chunks))     # a split without a chunk has no work
+    lse_offset = _partials(p, splits, buffers)
+    decode = Launch(
+        kernel=_bsattn_decode_group_kernel, grid=(p.b * p.hkv * cdiv(p.qpk, heads) * splits,),
+        params=dict(_INPUTS, out_ptr="output", part_ptr="partials"),
+        writes=("out_ptr", "part_ptr"),
+        constexprs=dict(num_heads=p.hq, head_size=p.d, num_queries_per_kv=p.qpk, **p.layout,
+                        BLOCK_SIZE=p.block_size, BLOCK_M=max(16, heads), BLOCK_N=_decode_block_n(p),
+                        BLOCK_D=p.d_pad, HEADS=heads, CHUNK=config.chunk, CNT_CHUNK=64,
+                        NUM_SPLITS=splits, NUM_SUB=cdiv(n_chunks, splits), LSE_OFFSET=lse_offset,
+                        EVEN_D=p.d_pad == p.d, IS_FP32=p.dtype == "float32",
+                        QK_SCALE=p.qk_scale),
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return (decode, _combine_launch(p, splits, lse_offset)) if splits > 1 else (decode,)

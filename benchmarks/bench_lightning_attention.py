@@ -10,6 +10,7 @@ compares pipelined dispatch of both (see timing.py). Decode rows also carry
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import traceback
 
@@ -59,26 +60,44 @@ def _ours_row(name, t, nbytes, copy_bw, t_pipe, t_jax, pairs):
     return row
 
 
+def _config_name(config) -> str:
+    """A sweep row's suffix: '' for the planner's choice; a Triton config's set fields
+    (e.g. 'block_e32-num_stages2', the names of the rows before configs existed, when
+    any tiling keyword forced the Triton kernel), or 'triton' when none is set; 'gluon'
+    and a Gluon config's set fields."""
+    if config is None:
+        return ""
+    fields = [f"{f.name}{getattr(config, f.name)}" for f in dataclasses.fields(config)
+              if getattr(config, f.name) != f.default]
+    if type(config).__name__ == "LightningTritonConfig":
+        return "-".join(fields) or "triton"
+    return "-".join(["gluon"] + fields)
+
+
 def prefill_sweep(copy_bw):
-    """Tile / warp / stage / segment / precision variants (torch launch, cold L2)."""
+    """Kernel / tile / warp / stage / segment variants (torch launch, cold L2): the
+    planner's choice (None) and configs that force the Triton or Gluon kernel."""
     import torch
-    from adapters.torch._executor import info, run_plan
-    from core_kernels.lightning_attention import plan_lightning_attention
+    from adapters.torch._executor import info, run_plan, target_for
+    from core_kernels.lightning_attention import (LightningGluonConfig, LightningTritonConfig,
+                                                  plan_lightning_attention)
+    T = LightningTritonConfig
     rows = []
-    variants = {"float32": [{}, dict(num_stages=4), dict(block_t=16, num_warps=4, num_stages=4)],
-                "bfloat16": [{}, dict(block_e=32), dict(block_e=32, num_stages=2),
-                             dict(block_e=64, num_stages=2)]}
-    long_seq = {"float32": [{}], "bfloat16": [{}, dict(block_e=64)]}
+    variants = {"float32": [None, T(), T(num_stages=4), T(block_t=16, num_warps=4, num_stages=4)],
+                "bfloat16": [None, T(), T(block_e=32), T(block_e=32, num_stages=2),
+                             T(block_e=64, num_stages=2)]}
+    long_seq = {"float32": [None, T()], "bfloat16": [None, T(), T(block_e=64),
+                                                    LightningGluonConfig(num_segments=16)]}
     shapes = [((1, 64, 4096, 128, 128), variants), ((1, 8, 65536, 128, 128), long_seq)]
     for (b, h, n, d, e), var in shapes:
         for dtype, configs in var.items():
             q, k, v, ed = _prefill_inputs(b, h, n, d, e, dtype)[0]
             nbytes = _prefill_bytes(b, h, n, d, e, dtype, 256, False)
             for cfg in configs:
-                name = f"sweep-B{b}-H{h}-N{n}-{dtype}-" + "-".join(f"{k_}{v_}" for k_, v_ in cfg.items())
+                name = f"sweep-B{b}-H{h}-N{n}-{dtype}-" + _config_name(cfg)
                 try:
-                    plan = plan_lightning_attention(info(q), info(k), info(v), info(ed), None,
-                                                    block_size=256, **cfg)
+                    plan = plan_lightning_attention(target_for(q.device), info(q), info(k), info(v),
+                                                    info(ed), None, block_size=256, config=cfg)
                     tensors = dict(q=q, k=k, v=v, ed=ed)
                     t = timing.kernel_time_torch(lambda: run_plan(plan, tensors), rep_ms=100)
                     rows.append(_row(name, t, nbytes, copy_bw))
@@ -185,8 +204,8 @@ def _jnp_decode_math(q, k, v, cache, slope, slots):
 
 
 def decode_sweep(copy_bw):
-    from adapters.torch._executor import info, run_plan
-    from core_kernels.lightning_attention import plan_linear_decode
+    from adapters.torch._executor import info, run_plan, target_for
+    from core_kernels.lightning_attention import LightningDecodeConfig, plan_linear_decode
     rows = []
     b, h, d = 64, 64, 128
     q, k, v, cache, slope, slots = _decode_inputs(b, h, d, "bfloat16", b)
@@ -194,8 +213,9 @@ def decode_sweep(copy_bw):
     for block_e, warps in ((64, 2), (64, 4), (64, 8), (32, 4), (64, 4), (64, 2)):
         name = f"sweep-decode-B{b}-bf16-be{block_e}-w{warps}"
         try:
-            plan = plan_linear_decode(info(q), info(k), info(v), info(cache), info(slope), info(slots),
-                                      block_e=block_e, num_warps=warps)
+            plan = plan_linear_decode(target_for(q.device), info(q), info(k), info(v), info(cache),
+                                      info(slope), info(slots),
+                                      config=LightningDecodeConfig(block_e, warps))
             tensors = dict(q=q, k=k, v=v, kv_caches=cache, slope_rate=slope, slot_idx=slots)
             t = timing.kernel_time_torch(lambda: run_plan(plan, tensors), rep_ms=100)
             rows.append(_row(name, t, nbytes, copy_bw))

@@ -1,6 +1,7 @@
 """lightning_attention / linear_decode_forward_triton: both adapters against the
 float64 recurrence (spec: lightning_attention.md, issue 4)."""
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -8,17 +9,23 @@ import torch
 
 from core_kernels._interpret import run_plan_numpy
 from core_kernels._plan import ArrayInfo
-from core_kernels.lightning_attention import (lightning_attention_reference,
+from core_kernels._target import Target
+from core_kernels.lightning_attention import (LightningDecodeConfig, LightningGluonConfig,
+                                              LightningTritonConfig, lightning_attention_reference,
                                               linear_decode_reference, plan_lightning_attention,
                                               plan_linear_decode)
-from harness import (ADAPTERS, DEVICE, FLOAT_DTYPES, GPU, assert_bitwise_equal, assert_close,
-                     cast, jax_to_numpy, requires_gpu, rng, to_jax, to_torch, torch_to_numpy)
+from harness import (DEVICE, FLOAT_DTYPES, GPU, JaxAdapter, TorchAdapter, assert_bitwise_equal,
+                     assert_close, cast, jax_to_numpy, requires_gpu, rng, to_jax, to_torch,
+                     torch_to_numpy)
 import adapters.torch as at
 
 # Tolerance multipliers on harness.TOL, applied to values normalised by the
 # reference's RMS (linear attention outputs have a wide dynamic range). On the
 # GPU fp32/fp16 products are tf32 (10-bit mantissa) and bf16 products bf16.
 GPU_SCALE = {"float32": 250.0, "float16": 3.0, "bfloat16": 4.0}
+HOPPER = Target("cuda", 90, 132, gluon=True)  # the H200 the tables were measured on
+TRITON = "_lightning_prefill_kernel"
+GLUON = {"bfloat16": "_gluon_prefill_kernel", "float32": "_gluon_prefill_tf32_kernel"}
 
 
 def check(actual, expected, dtype, what):
@@ -55,27 +62,17 @@ def make_prefill(b, h, n, d, e, dtype, history=True, seed=None):
     return q, k, v, ed, kvh
 
 
-def run_prefill(adapter, q, k, v, ed, kvh=None, block_size=256, fso=False, jit=False):
-    if adapter == "torch":
-        th = None if kvh is None else to_torch(kvh)
-        o, kv = at.lightning_attention(to_torch(q), to_torch(k), to_torch(v), to_torch(ed),
-                                       block_size, th, fso)
-        if th is not None:
-            assert_bitwise_equal(torch_to_numpy(th), kvh, "kv_history was modified")
-        return torch_to_numpy(o), torch_to_numpy(kv)
-    import jax
-    import adapters.jax as aj
-    fn = lambda q, k, v, ed, h: aj.lightning_attention(q, k, v, ed, block_size=block_size,  # noqa
-                                                       kv_history=h, output_final_state_only=fso)
-    if jit:
-        fn = jax.jit(fn)
-    o, kv = fn(*map(to_jax, (q, k, v, ed)), None if kvh is None else to_jax(kvh))
-    return jax_to_numpy(o), jax_to_numpy(kv)
-
-
 def reference(q, k, v, ed, kvh=None, block_size=256, fso=False):
     return lightning_attention_reference(q.astype(np.float64), k.astype(np.float64),
                                          v.astype(np.float64), ed, block_size, kvh, fso)
+
+
+def make_decode(b, h, d, num_slots, dtype, seed=None):
+    g = rng(seed)
+    q, k, v = (cast(g.standard_normal((b, h, 1, d)), dtype) for _ in range(3))
+    cache = g.standard_normal((num_slots, h, d, d)).astype(np.float32)
+    slope = g.uniform(0.005, 1.0, h).astype(np.float32)
+    return q, k, v, cache, slope
 
 
 # (B, H, N, D, E, block_size): N = 1, block-1, block, block+1, several blocks,
@@ -87,243 +84,6 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("history", [True, False])
-@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: "B{}-H{}-N{}-D{}-E{}-bs{}".format(*c))
-def test_prefill_matches_reference(adapter, dtype, history, case):
-    b, h, n, d, e, bs = case
-    q, k, v, ed, kvh = make_prefill(b, h, n, d, e, dtype, history)
-    out, kv = run_prefill(adapter, q, k, v, ed, kvh, bs)
-    ref_out, ref_kv = reference(q, k, v, ed, kvh, bs)
-    assert out.dtype == q.dtype and kv.dtype == np.float32
-    assert kv.shape == (b, h, -(-n // bs) + 1, d, e)
-    check(out, ref_out, dtype, "output")
-    check(kv, ref_kv, dtype, "per-block states")
-
-
-@pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("n,bs", [(1, 256), (70, 16), (200, 256)])
-def test_final_state_only(adapter, n, bs):
-    q, k, v, ed, kvh = make_prefill(2, 2, n, 40, 24, "float32")
-    out, kv = run_prefill(adapter, q, k, v, ed, kvh, bs, fso=True)
-    ref_out, ref_kv = reference(q, k, v, ed, kvh, bs, fso=True)
-    assert kv.shape == (2, 2, 40, 24)
-    check(out, ref_out, "float32", "output")
-    check(kv, ref_kv, "float32", "final state")
-    full_out, full_kv = run_prefill(adapter, q, k, v, ed, kvh, bs)
-    check(full_kv[:, :, -1], kv, "float32", "final state vs per-block final")
-
-
-def test_final_state_only_writes_no_block_states():
-    q, k, v, ed, kvh = make_prefill(1, 2, 300, 32, 32, "float32")
-    plan = plan_lightning_attention(ci(q), ci(k), ci(v), ci(ed), ci(kvh), block_size=16,
-                                    output_final_state_only=True)
-    assert plan.buffers["kv"].shape == (1, 2, 32, 32)
-    assert all(l.constexprs.get("STORE_BLOCK_STATES") in (None, False) for l in plan.launches)
-
-
-def _run_poisoned(executor, plan, arrays):
-    """Run with the plan's result buffers supplied pre-filled with NaN."""
-    poisoned = {r: np.full(plan.buffers[r].shape, np.nan, np.float32).astype(
-        arrays["q"].dtype if r == "output" else np.float32) for r in plan.results
-        if r in plan.buffers}
-    plan = dataclasses.replace(plan, buffers={k: b for k, b in plan.buffers.items() if k not in poisoned})
-    if executor == "numpy":
-        env = run_plan_numpy(plan, {**arrays, **poisoned})
-        return {r: env[r] for r in poisoned}
-    from adapters.torch._executor import run_plan
-    tensors = {n: to_torch(x) for n, x in {**arrays, **poisoned}.items()}
-    run_plan(plan, tensors, device=torch.device(DEVICE))
-    return {r: torch_to_numpy(tensors[r]) for r in poisoned}
-
-
-# the numpy executor is the JAX CPU path (the GPU machine's numpy>=2.4 breaks it)
-@pytest.mark.parametrize("executor", ["torch"] if GPU else ["numpy", "torch"])
-@pytest.mark.parametrize("num_segments", [1, 3, 4])
-@pytest.mark.parametrize("fso", [False, True])
-@pytest.mark.parametrize("block_e", [None, 16])
-def test_every_element_written_and_segments(executor, num_segments, fso, block_e):
-    """Poisoned outputs, with the sequence cut into 1, 3 or 4 chained segments,
-    E whole or split into three tiles."""
-    q, k, v, ed, kvh = make_prefill(1, 2, 230, 24, 48, "float32")
-    plan = plan_lightning_attention(ci(q), ci(k), ci(v), ci(ed), ci(kvh), block_size=20,
-                                    output_final_state_only=fso, num_segments=num_segments,
-                                    block_t=16, block_e=block_e)
-    n_e = 1 if block_e is None else 3
-    assert plan.launches[-1].grid[0] == num_segments * 2 * n_e
-    res = _run_poisoned(executor, plan, dict(q=q, k=k, v=v, ed=ed, kv_history=kvh))
-    ref_out, ref_kv = reference(q, k, v, ed, kvh, 20, fso)
-    check(res["output"], ref_out, "float32", "output")
-    check(res["kv"], ref_kv, "float32", "states")
-
-
-def test_segments_chosen_when_heads_are_few():
-    q, k, v, ed, _ = make_prefill(1, 1, 4096, 128, 128, "float32")
-    plan = plan_lightning_attention(ci(q), ci(k), ci(v), ci(ed))
-    assert len(plan.launches) == 1 and plan.launches[0].grid[0] > 1
-    assert plan.launches[0].constexprs["SEGMENTED"]
-    big = ArrayInfo.contiguous((16, 64, 4096, 128), "float32")
-    plan = plan_lightning_attention(big, big, big, ArrayInfo.contiguous((64,), "float32"))
-    assert plan.launches[0].grid[0] == 16 * 64 * 2 and not plan.launches[0].constexprs["SEGMENTED"]
-
-
-@pytest.mark.parametrize("adapter", ADAPTERS)
-def test_ed_shapes_and_strided_inputs(adapter):
-    q, k, v, ed, kvh = make_prefill(2, 3, 45, 32, 16, "float32")
-    ref_out, ref_kv = reference(q, k, v, ed, kvh, 16)
-    if adapter == "torch":
-        # q, k, v as views with padded rows / heads, ed as [H, 1, 1]
-        qt = to_torch(np.concatenate([q, q], axis=-1))[..., :32]
-        kt = to_torch(np.concatenate([k, k[:, :1]], axis=1))[:, :3]
-        vt = to_torch(np.ascontiguousarray(v.transpose(0, 2, 1, 3))).transpose(1, 2)
-        out, kv = at.lightning_attention(qt, kt, vt, to_torch(ed.reshape(3, 1, 1)), 16, to_torch(kvh))
-        out, kv = torch_to_numpy(out), torch_to_numpy(kv)
-    else:
-        import adapters.jax as aj
-        out, kv = aj.lightning_attention(*map(to_jax, (q, k, v, ed.reshape(3, 1, 1))), block_size=16,
-                                         kv_history=to_jax(kvh))
-    check(out, ref_out, "float32", "output")
-    check(kv, ref_kv, "float32", "states")
-
-
-# ------------------------------------------------------------------ decode
-def make_decode(b, h, d, num_slots, dtype, seed=None):
-    g = rng(seed)
-    q, k, v = (cast(g.standard_normal((b, h, 1, d)), dtype) for _ in range(3))
-    cache = g.standard_normal((num_slots, h, d, d)).astype(np.float32)
-    slope = g.uniform(0.005, 1.0, h).astype(np.float32)
-    return q, k, v, cache, slope
-
-
-def run_decode(adapter, q, k, v, cache, slope, slots, jit=False):
-    if adapter == "torch":
-        ct = to_torch(cache)
-        out = at.linear_decode_forward_triton(to_torch(q), to_torch(k), to_torch(v), ct,
-                                              to_torch(slope), to_torch(slots))
-        return torch_to_numpy(out), torch_to_numpy(ct)
-    import jax
-    import adapters.jax as aj
-    fn = jax.jit(aj.linear_decode_forward_triton) if jit else aj.linear_decode_forward_triton
-    out, new_cache = fn(*map(to_jax, (q, k, v, cache, slope, slots)))
-    return jax_to_numpy(out), jax_to_numpy(new_cache)
-
-
-@pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("d", [16, 24, 64, 96])
-@pytest.mark.parametrize("slot_dtype", ["int32", "int64"])
-def test_decode_permuted_slots_and_padding(adapter, dtype, d, slot_dtype):
-    b, h, num_slots = 6, 3, 9
-    q, k, v, cache, slope = make_decode(b, h, d, num_slots, dtype)
-    slots = np.array([7, -1, 2, 0, -1, 5], slot_dtype)
-    out, new_cache = run_decode(adapter, q, k, v, cache, slope, slots)
-    ref_out, ref_cache = linear_decode_reference(q, k, v, cache, slope, slots)
-    assert out.shape == (b, h * d) and out.dtype == q.dtype
-    check(out, ref_out, dtype, "output")
-    check(new_cache, ref_cache, dtype, "cache")
-    assert np.all(np.asarray(out[[1, 4]], np.float32) == 0), "padding rows must be 0"
-    untouched = [s for s in range(num_slots) if s not in slots]
-    assert_bitwise_equal(new_cache[untouched], cache[untouched], "untouched slots")
-
-
-def test_decode_torch_strided_cache_and_inputs():
-    b, h, d, num_slots = 4, 2, 48, 5
-    q, k, v, cache, slope = make_decode(b, h, d, num_slots, "float32")
-    slots = np.array([4, 1, -1, 3], np.int64)
-    ref_out, ref_cache = linear_decode_reference(q, k, v, cache, slope, slots)
-    # cache with heads outermost inside a bigger buffer; q/k/v as slices of a fused qkv
-    big = to_torch(np.concatenate([cache, cache[:, :1]], axis=1).transpose(1, 0, 2, 3).copy())
-    ct = big[:h].transpose(0, 1)
-    qkv = to_torch(np.concatenate([q, k, v], axis=-1))
-    out = at.linear_decode_forward_triton(qkv[..., :d], qkv[..., d:2 * d], qkv[..., 2 * d:], ct,
-                                          to_torch(slope.reshape(h, 1, 1)), to_torch(slots))
-    check(torch_to_numpy(out), ref_out, "float32", "output")
-    check(torch_to_numpy(ct), ref_cache, "float32", "cache")
-    assert_bitwise_equal(torch_to_numpy(big[h:]), cache[:, :1].transpose(1, 0, 2, 3), "padding head")
-
-
-@pytest.mark.parametrize("adapter", ADAPTERS)
-def test_prefill_then_decode_equals_longer_prefill(adapter):
-    """prefill(n) then decode of tokens n..n+2 == prefill(n + 3)."""
-    b, h, n, d = 2, 3, 37, 32
-    q, k, v, ed, kvh = make_prefill(b, h, n + 3, d, d, "float32")
-    full_out, full_kv = run_prefill(adapter, q, k, v, ed, kvh, 16)
-    part_out, part_kv = run_prefill(adapter, q[:, :, :n], k[:, :, :n], v[:, :, :n], ed, kvh, 16,
-                                    fso=True)
-    # rows in permuted slots of a bigger cache
-    cache = rng().standard_normal((5, h, d, d)).astype(np.float32)
-    slots = np.array([3, 1], np.int32)
-    cache[slots] = part_kv
-    outs = []
-    for t in range(n, n + 3):
-        sl = slice(t, t + 1)
-        o, cache = run_decode(adapter, q[:, :, sl], k[:, :, sl], v[:, :, sl], cache, ed, slots)
-        outs.append(o.reshape(b, h, d))
-    check(np.stack(outs, axis=2), full_out[:, :, n:], "float32", "decoded outputs")
-    check(cache[slots], full_kv[:, :, -1], "float32", "state after decode")
-    check(part_out, full_out[:, :, :n], "float32", "prefix outputs")
-
-
-def test_decode_out_of_range_slot_on_device_gives_nan():
-    """The kernel itself (what runs on the GPU, no sync): NaN row, no cache write."""
-    from adapters.torch._executor import run_plan
-    q, k, v, cache, slope = make_decode(3, 2, 16, 4, "float32")
-    slots = np.array([1, 4, -2], np.int64)
-    plan = plan_linear_decode(ci(q), ci(k), ci(v), ci(cache), ci(slope), ci(slots))
-    tensors = {n: to_torch(x) for n, x in dict(q=q, k=k, v=v, kv_caches=cache, slope_rate=slope,
-                                               slot_idx=slots).items()}
-    env = run_plan(plan, tensors, device=torch.device(DEVICE))
-    out, new_cache = torch_to_numpy(env["output"]), torch_to_numpy(tensors["kv_caches"])
-    assert np.isnan(out[1:]).all() and not np.isnan(out[0]).any()
-    assert_bitwise_equal(new_cache[[0, 2, 3]], cache[[0, 2, 3]], "other slots")
-
-
-@pytest.mark.parametrize("adapter", ADAPTERS)
-def test_decode_host_slot_ids_checked(adapter):
-    """Ids that are host data (torch CPU tensor, numpy array) are checked without a sync."""
-    if adapter == "torch" and GPU:
-        pytest.skip("GPU tensors are not checked on the host (NaN row instead)")
-    q, k, v, cache, slope = make_decode(2, 2, 16, 4, "float32")
-    bad = np.array([0, 4], np.int32)
-    with pytest.raises(ValueError, match="slot_idx"):
-        if adapter == "torch":
-            run_decode(adapter, q, k, v, cache, slope, bad)
-        else:
-            import adapters.jax as aj
-            aj.linear_decode_forward_triton(*map(to_jax, (q, k, v, cache, slope)), bad)
-
-
-def test_jax_decode_jit_donated_cache():
-    import jax
-    import adapters.jax as aj
-    q, k, v, cache, slope = make_decode(3, 2, 24, 5, "float32")
-    slots = np.array([2, -1, 4], np.int32)
-    f = jax.jit(aj.linear_decode_forward_triton, donate_argnums=(3,))
-    out, new_cache = f(*map(to_jax, (q, k, v, cache, slope, slots)))
-    ref_out, ref_cache = linear_decode_reference(q, k, v, cache, slope, slots)
-    check(jax_to_numpy(out), ref_out, "float32", "output")
-    check(jax_to_numpy(new_cache), ref_cache, "float32", "cache")
-
-
-# ------------------------------------------------------------------ parity
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("fso", [False, True])
-def test_torch_and_jax_bitwise_equal(dtype, fso):
-    q, k, v, ed, kvh = make_prefill(2, 2, 150, 40, 24, dtype)
-    t = run_prefill("torch", q, k, v, ed, kvh, 32, fso)
-    j = run_prefill("jax", q, k, v, ed, kvh, 32, fso, jit=True)
-    assert_bitwise_equal(t[0], j[0], "prefill output torch vs jax")
-    assert_bitwise_equal(t[1], j[1], "prefill states torch vs jax")
-    q, k, v, cache, slope = make_decode(5, 3, 40, 7, dtype)
-    slots = np.array([6, 0, -1, 3, 2], np.int64)
-    t = run_decode("torch", q, k, v, cache, slope, slots)
-    j = run_decode("jax", q, k, v, cache, slope, slots, jit=True)
-    assert_bitwise_equal(t[0], j[0], "decode output torch vs jax")
-    assert_bitwise_equal(t[1], j[1], "decode cache torch vs jax")
-
-
-# ------------------------------------------------------------------ errors
 def _prefill_bad_cases():
     q, k, v, ed, kvh = make_prefill(1, 2, 8, 16, 16, "float32")
     big = np.zeros((1, 2, 8, 300), np.float32)
@@ -344,16 +104,6 @@ def _prefill_bad_cases():
     ], dict(q=q, k=k, v=v, ed=ed, kvh=kvh, bs=4)
 
 
-@pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("case", range(13))
-def test_prefill_errors_name_the_argument(adapter, case):
-    cases, base = _prefill_bad_cases()
-    name, repl = cases[case]
-    a = {**base, **repl}
-    with pytest.raises((ValueError, TypeError), match=name):
-        run_prefill(adapter, a["q"], a["k"], a["v"], a["ed"], a["kvh"], a["bs"])
-
-
 def _decode_bad_cases():
     q, k, v, cache, slope = make_decode(2, 2, 16, 4, "float32")
     slots = np.array([0, 1], np.int64)
@@ -371,45 +121,479 @@ def _decode_bad_cases():
     ], dict(q=q, k=k, v=v, cache=cache, slope=slope, slots=slots)
 
 
-@pytest.mark.parametrize("adapter", ADAPTERS)
-@pytest.mark.parametrize("case", range(9))
-def test_decode_errors_name_the_argument(adapter, case):
-    cases, base = _decode_bad_cases()
-    name, repl = cases[case]
-    a = {**base, **repl}
-    with pytest.raises((ValueError, TypeError), match=name):
-        run_decode(adapter, a["q"], a["k"], a["v"], a["cache"], a["slope"], a["slots"])
+class LightningTests:
+    """Every lightning test, written once; a subclass per adapter implements
+    ``prefill``, ``decode``, ``run_poisoned`` and ``target`` (and may add
+    framework-only tests)."""
+
+    def prefill(self, q, k, v, ed, kvh=None, block_size=256, fso=False, *, config=None, jit=False):
+        """numpy inputs -> numpy (output, kv) through this adapter."""
+        raise NotImplementedError
+
+    def decode(self, q, k, v, cache, slope, slots, *, config=None, jit=False, host_ids=False):
+        """numpy inputs -> numpy (output, new cache); ``host_ids``: slot ids as host data."""
+        raise NotImplementedError
+
+    def target(self) -> Target:
+        """The Target this adapter's executor plans for on the test device."""
+        raise NotImplementedError
+
+    def run_poisoned(self, plan, arrays):
+        """Run ``plan`` with its result buffers supplied pre-filled with NaN."""
+        raise NotImplementedError
+
+    @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+    @pytest.mark.parametrize("history", [True, False])
+    @pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: "B{}-H{}-N{}-D{}-E{}-bs{}".format(*c))
+    def test_prefill_matches_reference(self, dtype, history, case):
+        b, h, n, d, e, bs = case
+        q, k, v, ed, kvh = make_prefill(b, h, n, d, e, dtype, history)
+        out, kv = self.prefill(q, k, v, ed, kvh, bs)
+        ref_out, ref_kv = reference(q, k, v, ed, kvh, bs)
+        assert out.dtype == q.dtype and kv.dtype == np.float32
+        assert kv.shape == (b, h, -(-n // bs) + 1, d, e)
+        check(out, ref_out, dtype, "output")
+        check(kv, ref_kv, dtype, "per-block states")
+
+    @pytest.mark.parametrize("n,bs", [(1, 256), (70, 16), (200, 256)])
+    def test_final_state_only(self, n, bs):
+        q, k, v, ed, kvh = make_prefill(2, 2, n, 40, 24, "float32")
+        out, kv = self.prefill(q, k, v, ed, kvh, bs, fso=True)
+        ref_out, ref_kv = reference(q, k, v, ed, kvh, bs, fso=True)
+        assert kv.shape == (2, 2, 40, 24)
+        check(out, ref_out, "float32", "output")
+        check(kv, ref_kv, "float32", "final state")
+        full_out, full_kv = self.prefill(q, k, v, ed, kvh, bs)
+        check(full_kv[:, :, -1], kv, "float32", "final state vs per-block final")
+
+    def test_ed_as_h11(self):
+        q, k, v, ed, kvh = make_prefill(2, 3, 45, 32, 16, "float32")
+        out, kv = self.prefill(q, k, v, ed.reshape(3, 1, 1), kvh, 16)
+        ref_out, ref_kv = reference(q, k, v, ed, kvh, 16)
+        check(out, ref_out, "float32", "output")
+        check(kv, ref_kv, "float32", "states")
+
+    @pytest.mark.parametrize("num_segments", [1, 3, 4])
+    @pytest.mark.parametrize("fso", [False, True])
+    @pytest.mark.parametrize("block_e", [None, 16])
+    def test_every_element_written_and_segments(self, num_segments, fso, block_e):
+        """Poisoned outputs, with the sequence cut into 1, 3 or 4 chained segments,
+        E whole or split into three tiles."""
+        q, k, v, ed, kvh = make_prefill(1, 2, 230, 24, 48, "float32")
+        config = LightningTritonConfig(block_t=16, block_e=block_e, num_segments=num_segments)
+        plan = plan_lightning_attention(self.target(), ci(q), ci(k), ci(v), ci(ed), ci(kvh),
+                                        block_size=20, output_final_state_only=fso, config=config)
+        n_e = 1 if block_e is None else 3
+        assert plan.launches[-1].grid[0] == num_segments * 2 * n_e
+        res = self.run_poisoned(plan, dict(q=q, k=k, v=v, ed=ed, kv_history=kvh))
+        ref_out, ref_kv = reference(q, k, v, ed, kvh, 20, fso)
+        check(res["output"], ref_out, "float32", "output")
+        check(res["kv"], ref_kv, "float32", "states")
+
+    @pytest.mark.parametrize("config", [LightningTritonConfig(block_t=16, block_e=16, num_segments=3),
+                                        LightningTritonConfig(num_warps=2, num_stages=1,
+                                                              dot_precision="ieee")],
+                             ids=["tiles-segments", "ieee"])
+    def test_prefill_config_override(self, config):
+        q, k, v, ed, kvh = make_prefill(1, 2, 90, 32, 48, "float32")
+        out, kv = self.prefill(q, k, v, ed, kvh, 32, config=config)
+        ref_out, ref_kv = reference(q, k, v, ed, kvh, 32)
+        check(out, ref_out, "float32", "output")
+        check(kv, ref_kv, "float32", "states")
+
+    def test_prefill_config_refused(self):
+        q, k, v, ed, kvh = make_prefill(1, 2, 64, 16, 16, "float32")
+        with pytest.raises(TypeError, match="config"):
+            self.prefill(q, k, v, ed, kvh, 32, config=LightningDecodeConfig())
+        if not (self.target().gluon and self.target().hopper):
+            with pytest.raises(ValueError, match="LightningGluonConfig.*no Gluon"):
+                self.prefill(q, k, v, ed, kvh, 32, config=LightningGluonConfig())
+        with pytest.raises(ValueError, match="D=16"):  # outside the Gluon kernels' scope anywhere
+            plan_lightning_attention(HOPPER, ci(q), ci(k), ci(v), ci(ed), config=LightningGluonConfig())
+
+    def test_empty_batch(self):
+        q, k, v, ed, kvh = make_prefill(0, 2, 8, 16, 16, "float32")
+        out, kv = self.prefill(q, k, v, ed, kvh, 4)
+        assert out.shape == (0, 2, 8, 16) and kv.shape == (0, 2, 3, 16, 16)
+
+    # ---------------------------------------------------------------- decode
+    @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+    @pytest.mark.parametrize("d", [16, 24, 64, 96])
+    @pytest.mark.parametrize("slot_dtype", ["int32", "int64"])
+    def test_decode_permuted_slots_and_padding(self, dtype, d, slot_dtype):
+        b, h, num_slots = 6, 3, 9
+        q, k, v, cache, slope = make_decode(b, h, d, num_slots, dtype)
+        slots = np.array([7, -1, 2, 0, -1, 5], slot_dtype)
+        out, new_cache = self.decode(q, k, v, cache, slope, slots)
+        ref_out, ref_cache = linear_decode_reference(q, k, v, cache, slope, slots)
+        assert out.shape == (b, h * d) and out.dtype == q.dtype
+        check(out, ref_out, dtype, "output")
+        check(new_cache, ref_cache, dtype, "cache")
+        assert np.all(np.asarray(out[[1, 4]], np.float32) == 0), "padding rows must be 0"
+        untouched = [s for s in range(num_slots) if s not in slots]
+        assert_bitwise_equal(new_cache[untouched], cache[untouched], "untouched slots")
+
+    @pytest.mark.parametrize("config", [LightningDecodeConfig(16, 2), LightningDecodeConfig(128, 8)],
+                             ids=["e16-w2", "e128-w8"])
+    def test_decode_config_override(self, config):
+        q, k, v, cache, slope = make_decode(3, 2, 40, 5, "float32")
+        slots = np.array([4, -1, 1], np.int64)
+        out, new_cache = self.decode(q, k, v, cache, slope, slots, config=config)
+        ref_out, ref_cache = linear_decode_reference(q, k, v, cache, slope, slots)
+        check(out, ref_out, "float32", "output")
+        check(new_cache, ref_cache, "float32", "cache")
+        with pytest.raises(TypeError, match="config"):
+            self.decode(q, k, v, cache, slope, slots, config=LightningTritonConfig())
+
+    def test_prefill_then_decode_equals_longer_prefill(self):
+        """prefill(n) then decode of tokens n..n+2 == prefill(n + 3)."""
+        b, h, n, d = 2, 3, 37, 32
+        q, k, v, ed, kvh = make_prefill(b, h, n + 3, d, d, "float32")
+        full_out, full_kv = self.prefill(q, k, v, ed, kvh, 16)
+        part_out, part_kv = self.prefill(q[:, :, :n], k[:, :, :n], v[:, :, :n], ed, kvh, 16, fso=True)
+        # rows in permuted slots of a bigger cache
+        cache = rng().standard_normal((5, h, d, d)).astype(np.float32)
+        slots = np.array([3, 1], np.int32)
+        cache[slots] = part_kv
+        outs = []
+        for t in range(n, n + 3):
+            sl = slice(t, t + 1)
+            o, cache = self.decode(q[:, :, sl], k[:, :, sl], v[:, :, sl], cache, ed, slots)
+            outs.append(o.reshape(b, h, d))
+        check(np.stack(outs, axis=2), full_out[:, :, n:], "float32", "decoded outputs")
+        check(cache[slots], full_kv[:, :, -1], "float32", "state after decode")
+        check(part_out, full_out[:, :, :n], "float32", "prefix outputs")
+
+    def test_decode_host_slot_ids_checked(self):
+        """Ids that are host data (torch CPU tensor, numpy array) are checked without a sync."""
+        q, k, v, cache, slope = make_decode(2, 2, 16, 4, "float32")
+        with pytest.raises(ValueError, match="slot_idx"):
+            self.decode(q, k, v, cache, slope, np.array([0, 4], np.int32), host_ids=True)
+
+    @pytest.mark.parametrize("op,case", [("prefill", i) for i in range(13)] +
+                             [("decode", i) for i in range(9)])
+    def test_errors_name_the_argument(self, op, case):
+        cases, base = (_prefill_bad_cases if op == "prefill" else _decode_bad_cases)()
+        name, repl = cases[case]
+        a = {**base, **repl}
+        with pytest.raises((ValueError, TypeError), match=name):
+            if op == "prefill":
+                self.prefill(a["q"], a["k"], a["v"], a["ed"], a["kvh"], a["bs"])
+            else:
+                self.decode(a["q"], a["k"], a["v"], a["cache"], a["slope"], a["slots"])
 
 
-def test_torch_errors():
-    q, k, v, ed, kvh = map(lambda x: to_torch(x), make_prefill(1, 2, 8, 16, 16, "float32"))
-    with pytest.raises(ValueError, match="innermost"):
-        wide = torch.cat([q, q], dim=-1)
-        at.lightning_attention(wide[..., ::2], k, v, ed)
-    with pytest.raises(ValueError, match="ed.*one device"):
-        at.lightning_attention(q, k, v, ed.to("meta"))
+class TestTorch(TorchAdapter, LightningTests):
+    def prefill(self, q, k, v, ed, kvh=None, block_size=256, fso=False, *, config=None, jit=False):
+        th = None if kvh is None else to_torch(kvh)
+        o, kv = at.lightning_attention(to_torch(q), to_torch(k), to_torch(v), to_torch(ed),
+                                       block_size, th, fso, config=config)
+        if th is not None:
+            assert_bitwise_equal(torch_to_numpy(th), kvh, "kv_history was modified")
+        return torch_to_numpy(o), torch_to_numpy(kv)
+
+    def decode(self, q, k, v, cache, slope, slots, *, config=None, jit=False, host_ids=False):
+        if host_ids and GPU:
+            pytest.skip("GPU tensors are not checked on the host (NaN row instead)")
+        ct = to_torch(cache)
+        out = at.linear_decode_forward_triton(to_torch(q), to_torch(k), to_torch(v), ct,
+                                              to_torch(slope), to_torch(slots), config=config)
+        return torch_to_numpy(out), torch_to_numpy(ct)
+
+    def target(self):
+        from adapters.torch._executor import target_for
+        return target_for(torch.device(DEVICE))
+
+    def run_poisoned(self, plan, arrays):
+        from adapters.torch._executor import run_plan
+        plan, poisoned = _poisoned(plan, arrays)
+        tensors = {n: to_torch(x) for n, x in {**arrays, **poisoned}.items()}
+        run_plan(plan, tensors, device=torch.device(DEVICE))
+        return {r: torch_to_numpy(tensors[r]) for r in poisoned}
+
+    def test_strided_inputs(self):
+        """q, k, v as views with padded rows / heads and transposed layouts."""
+        q, k, v, ed, kvh = make_prefill(2, 3, 45, 32, 16, "float32")
+        ref_out, ref_kv = reference(q, k, v, ed, kvh, 16)
+        qt = to_torch(np.concatenate([q, q], axis=-1))[..., :32]
+        kt = to_torch(np.concatenate([k, k[:, :1]], axis=1))[:, :3]
+        vt = to_torch(np.ascontiguousarray(v.transpose(0, 2, 1, 3))).transpose(1, 2)
+        out, kv = at.lightning_attention(qt, kt, vt, to_torch(ed.reshape(3, 1, 1)), 16, to_torch(kvh))
+        check(torch_to_numpy(out), ref_out, "float32", "output")
+        check(torch_to_numpy(kv), ref_kv, "float32", "states")
+
+    def test_decode_strided_cache_and_inputs(self):
+        b, h, d, num_slots = 4, 2, 48, 5
+        q, k, v, cache, slope = make_decode(b, h, d, num_slots, "float32")
+        slots = np.array([4, 1, -1, 3], np.int64)
+        ref_out, ref_cache = linear_decode_reference(q, k, v, cache, slope, slots)
+        # cache with heads outermost inside a bigger buffer; q/k/v as slices of a fused qkv
+        big = to_torch(np.concatenate([cache, cache[:, :1]], axis=1).transpose(1, 0, 2, 3).copy())
+        ct = big[:h].transpose(0, 1)
+        qkv = to_torch(np.concatenate([q, k, v], axis=-1))
+        out = at.linear_decode_forward_triton(qkv[..., :d], qkv[..., d:2 * d], qkv[..., 2 * d:], ct,
+                                              to_torch(slope.reshape(h, 1, 1)), to_torch(slots))
+        check(torch_to_numpy(out), ref_out, "float32", "output")
+        check(torch_to_numpy(ct), ref_cache, "float32", "cache")
+        assert_bitwise_equal(torch_to_numpy(big[h:]), cache[:, :1].transpose(1, 0, 2, 3), "padding head")
+
+    def test_decode_out_of_range_slot_on_device_gives_nan(self):
+        """The kernel itself (what runs on the GPU, no sync): NaN row, no cache write."""
+        from adapters.torch._executor import run_plan
+        q, k, v, cache, slope = make_decode(3, 2, 16, 4, "float32")
+        slots = np.array([1, 4, -2], np.int64)
+        plan = plan_linear_decode(self.target(), ci(q), ci(k), ci(v), ci(cache), ci(slope), ci(slots))
+        tensors = {n: to_torch(x) for n, x in dict(q=q, k=k, v=v, kv_caches=cache, slope_rate=slope,
+                                                   slot_idx=slots).items()}
+        env = run_plan(plan, tensors, device=torch.device(DEVICE))
+        out, new_cache = torch_to_numpy(env["output"]), torch_to_numpy(tensors["kv_caches"])
+        assert np.isnan(out[1:]).all() and not np.isnan(out[0]).any()
+        assert_bitwise_equal(new_cache[[0, 2, 3]], cache[[0, 2, 3]], "other slots")
+
+    def test_errors(self):
+        q, k, v, ed, kvh = map(lambda x: to_torch(x), make_prefill(1, 2, 8, 16, 16, "float32"))
+        with pytest.raises(ValueError, match="innermost"):
+            wide = torch.cat([q, q], dim=-1)
+            at.lightning_attention(wide[..., ::2], k, v, ed)
+        with pytest.raises(ValueError, match="ed.*one device"):
+            at.lightning_attention(q, k, v, ed.to("meta"))
+
+    def test_compile_fullgraph(self):
+        q, k, v, ed, kvh = make_prefill(1, 2, 40, 16, 16, "float32")
+        qd, kd, vd, cache, slope = make_decode(2, 2, 16, 3, "float32")
+        slots = np.array([2, 0], np.int64)
+
+        def f(q, k, v, ed, h, qd, kd, vd, cache, slope, slots):
+            o, kv = at.lightning_attention(q, k, v, ed, 16, h)
+            od = at.linear_decode_forward_triton(qd, kd, vd, cache, slope, slots)
+            return o * 2, kv, od + 1
+
+        backend = "inductor" if GPU else "aot_eager"
+        args = [to_torch(x) for x in (q, k, v, ed, kvh, qd, kd, vd, cache, slope, slots)]
+        o, kv, od = torch.compile(f, fullgraph=True, backend=backend)(*args)
+        ref_out, ref_kv = reference(q, k, v, ed, kvh, 16)
+        ref_od, ref_cache = linear_decode_reference(qd, kd, vd, cache, slope, slots)
+        check(torch_to_numpy(o), 2 * ref_out, "float32", "compiled prefill")
+        check(torch_to_numpy(kv), ref_kv, "float32", "compiled states")
+        check(torch_to_numpy(od), ref_od + 1, "float32", "compiled decode")
+        check(torch_to_numpy(args[8]), ref_cache, "float32", "compiled cache update")
+
+    def test_config_under_compile(self):
+        """config= reaches both planners through the custom ops (as a string)."""
+        q, k, v, ed, kvh = make_prefill(1, 2, 40, 16, 16, "float32")
+        qd, kd, vd, cache, slope = make_decode(2, 2, 16, 3, "float32")
+        slots = np.array([2, 0], np.int64)
+        pcfg, dcfg = LightningTritonConfig(block_t=16, num_segments=2), LightningDecodeConfig(16, 1)
+
+        def f(q, k, v, ed, h, qd, kd, vd, cache, slope, slots):
+            o, kv = at.lightning_attention(q, k, v, ed, 16, h, config=pcfg)
+            return o, kv, at.linear_decode_forward_triton(qd, kd, vd, cache, slope, slots, config=dcfg)
+
+        backend = "inductor" if GPU else "aot_eager"
+        before = (plan_lightning_attention.cache_info().misses, plan_linear_decode.cache_info().misses)
+        args = [to_torch(x) for x in (q, k, v, ed, kvh, qd, kd, vd, cache, slope, slots)]
+        o, kv, od = torch.compile(f, fullgraph=True, backend=backend)(*args)
+        after = (plan_lightning_attention.cache_info().misses, plan_linear_decode.cache_info().misses)
+        assert all(a > b for a, b in zip(after, before)), "a config made no plan of its own"
+        ref_out, ref_kv = reference(q, k, v, ed, kvh, 16)
+        check(torch_to_numpy(o), ref_out, "float32", "compiled prefill")
+        check(torch_to_numpy(kv), ref_kv, "float32", "compiled states")
+        check(torch_to_numpy(od), linear_decode_reference(qd, kd, vd, cache, slope, slots)[0],
+              "float32", "compiled decode")
+
+    @requires_gpu
+    def test_cuda_graph_replay_decode(self):
+        q, k, v, cache, slope = make_decode(8, 64, 128, 10, "bfloat16")
+        slots = np.array([3, 1, -1, 9, 0, 2, 5, 7], np.int64)
+        args = [to_torch(x) for x in (q, k, v, cache, slope, slots)]
+        at.linear_decode_forward_triton(*args)  # warm-up compiles outside capture
+        args[3].copy_(to_torch(cache))
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = at.linear_decode_forward_triton(*args)
+        q2, k2, v2, _, _ = make_decode(8, 64, 128, 10, "bfloat16")
+        for dst, src in zip(args, (q2, k2, v2)):
+            dst.copy_(to_torch(src))
+        args[3].copy_(to_torch(cache))
+        g.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_cache = linear_decode_reference(q2, k2, v2, cache, slope, slots)
+        check(torch_to_numpy(out), ref_out, "bfloat16", "graph replay output")
+        check(torch_to_numpy(args[3]), ref_cache, "bfloat16", "graph replay cache")
 
 
-# ------------------------------------------------------------------ torch.compile / graphs
-def test_torch_compile_fullgraph():
-    q, k, v, ed, kvh = make_prefill(1, 2, 40, 16, 16, "float32")
-    qd, kd, vd, cache, slope = make_decode(2, 2, 16, 3, "float32")
-    slots = np.array([2, 0], np.int64)
+class TestJax(JaxAdapter, LightningTests):
+    def prefill(self, q, k, v, ed, kvh=None, block_size=256, fso=False, *, config=None, jit=False):
+        import jax
+        import adapters.jax as aj
 
-    def f(q, k, v, ed, h, qd, kd, vd, cache, slope, slots):
-        o, kv = at.lightning_attention(q, k, v, ed, 16, h)
-        od = at.linear_decode_forward_triton(qd, kd, vd, cache, slope, slots)
-        return o * 2, kv, od + 1
+        def fn(q, k, v, ed, h):
+            return aj.lightning_attention(q, k, v, ed, block_size=block_size, kv_history=h,
+                                          output_final_state_only=fso, config=config)
+        if jit:
+            fn = jax.jit(fn)
+        o, kv = fn(*map(to_jax, (q, k, v, ed)), None if kvh is None else to_jax(kvh))
+        return jax_to_numpy(o), jax_to_numpy(kv)
 
-    backend = "inductor" if GPU else "aot_eager"
-    args = [to_torch(x) for x in (q, k, v, ed, kvh, qd, kd, vd, cache, slope, slots)]
-    o, kv, od = torch.compile(f, fullgraph=True, backend=backend)(*args)
-    ref_out, ref_kv = reference(q, k, v, ed, kvh, 16)
-    ref_od, ref_cache = linear_decode_reference(qd, kd, vd, cache, slope, slots)
-    check(torch_to_numpy(o), 2 * ref_out, "float32", "compiled prefill")
-    check(torch_to_numpy(kv), ref_kv, "float32", "compiled states")
-    check(torch_to_numpy(od), ref_od + 1, "float32", "compiled decode")
-    check(torch_to_numpy(args[8]), ref_cache, "float32", "compiled cache update")
+    def decode(self, q, k, v, cache, slope, slots, *, config=None, jit=False, host_ids=False):
+        import jax
+        import adapters.jax as aj
+        fn = functools.partial(aj.linear_decode_forward_triton, config=config)
+        if jit:
+            fn = jax.jit(fn)
+        out, new_cache = fn(*map(to_jax, (q, k, v, cache, slope)), slots if host_ids else to_jax(slots))
+        return jax_to_numpy(out), jax_to_numpy(new_cache)
+
+    def target(self):
+        from adapters.jax._executor import target
+        return target()
+
+    def run_poisoned(self, plan, arrays):
+        # the numpy executor is the JAX CPU path (the GPU machine's numpy>=2.4 breaks it)
+        if GPU:
+            pytest.skip("the JAX GPU path allocates its own outputs")
+        plan, poisoned = _poisoned(plan, arrays)
+        env = run_plan_numpy(plan, {**arrays, **poisoned})
+        return {r: env[r] for r in poisoned}
+
+    def test_decode_jit_donated_cache(self):
+        import jax
+        import adapters.jax as aj
+        q, k, v, cache, slope = make_decode(3, 2, 24, 5, "float32")
+        slots = np.array([2, -1, 4], np.int32)
+        f = jax.jit(aj.linear_decode_forward_triton, donate_argnums=(3,))
+        out, new_cache = f(*map(to_jax, (q, k, v, cache, slope, slots)))
+        ref_out, ref_cache = linear_decode_reference(q, k, v, cache, slope, slots)
+        check(jax_to_numpy(out), ref_out, "float32", "output")
+        check(jax_to_numpy(new_cache), ref_cache, "float32", "cache")
+
+
+def _poisoned(plan, arrays):
+    """(plan without its result buffers, those results pre-filled with NaN)."""
+    poisoned = {r: np.full(plan.buffers[r].shape, np.nan, np.float32).astype(
+        arrays["q"].dtype if r == "output" else np.float32) for r in plan.results
+        if r in plan.buffers}
+    plan = dataclasses.replace(plan, buffers={k: b for k, b in plan.buffers.items() if k not in poisoned})
+    return plan, poisoned
+
+
+# ------------------------------------------------------------------ parity
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("fso", [False, True])
+def test_torch_and_jax_bitwise_equal(dtype, fso):
+    q, k, v, ed, kvh = make_prefill(2, 2, 150, 40, 24, dtype)
+    t = TestTorch().prefill(q, k, v, ed, kvh, 32, fso)
+    j = TestJax().prefill(q, k, v, ed, kvh, 32, fso, jit=True)
+    assert_bitwise_equal(t[0], j[0], "prefill output torch vs jax")
+    assert_bitwise_equal(t[1], j[1], "prefill states torch vs jax")
+    q, k, v, cache, slope = make_decode(5, 3, 40, 7, dtype)
+    slots = np.array([6, 0, -1, 3, 2], np.int64)
+    t = TestTorch().decode(q, k, v, cache, slope, slots)
+    j = TestJax().decode(q, k, v, cache, slope, slots, jit=True)
+    assert_bitwise_equal(t[0], j[0], "decode output torch vs jax")
+    assert_bitwise_equal(t[1], j[1], "decode cache torch vs jax")
+
+
+# ------------------------------------------------------------------ plans (no launch)
+def _prefill_plan(target, shape_q, e, dtype="bfloat16", strides=None, **kw):
+    q = ArrayInfo(shape_q, dtype, strides) if strides else ArrayInfo.contiguous(shape_q, dtype)
+    v = ArrayInfo.contiguous(shape_q[:3] + (e,), dtype)
+    return plan_lightning_attention(target, q, q, v, ArrayInfo.contiguous((shape_q[1],), "float32"), **kw)
+
+
+def _kernel(target, *args, **kw):
+    return _prefill_plan(target, *args, **kw).launches[0].kernel.fn.__name__
+
+
+def test_final_state_only_writes_no_block_states():
+    q, k, v, ed, kvh = make_prefill(1, 2, 300, 32, 32, "float32")
+    plan = plan_lightning_attention(Target.interpreter(), ci(q), ci(k), ci(v), ci(ed), ci(kvh),
+                                    block_size=16, output_final_state_only=True)
+    assert plan.buffers["kv"].shape == (1, 2, 32, 32)
+    assert all(l.constexprs.get("STORE_BLOCK_STATES") in (None, False) for l in plan.launches)
+
+
+def test_segments_chosen_when_heads_are_few():
+    q, k, v, ed, _ = make_prefill(1, 1, 4096, 128, 128, "float32")
+    plan = plan_lightning_attention(Target.interpreter(), ci(q), ci(k), ci(v), ci(ed))
+    assert len(plan.launches) == 1 and plan.launches[0].grid[0] > 1
+    assert plan.launches[0].constexprs["SEGMENTED"]
+    big = ArrayInfo.contiguous((16, 64, 4096, 128), "float32")
+    plan = plan_lightning_attention(Target.interpreter(), big, big, big,
+                                    ArrayInfo.contiguous((64,), "float32"))
+    assert plan.launches[0].grid[0] == 16 * 64 * 2 and not plan.launches[0].constexprs["SEGMENTED"]
+
+
+@pytest.mark.parametrize("target", [Target("cuda", 90, 132, gluon=False), Target("cuda", 80, 108, gluon=True),
+                                    Target("cuda", 100, 148, gluon=True), Target.interpreter()],
+                         ids=["sm90-no-gluon", "sm80", "sm100", "interpreter"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_triton_kernel_without_gluon_on_the_target(target, dtype):
+    """The automatic fallback: shapes the Gluon kernels take on Hopper run the
+    Triton kernel elsewhere; forcing Gluon there is a clear error."""
+    assert _kernel(HOPPER, (1, 64, 256, 128), 128, dtype) == GLUON[dtype]
+    assert _kernel(target, (1, 64, 256, 128), 128, dtype) == TRITON
+    assert _kernel(target, (1, 2, 4096, 128), 128, dtype) == TRITON
+    with pytest.raises(ValueError, match="LightningGluonConfig.*no Gluon"):
+        _kernel(target, (1, 64, 256, 128), 128, dtype, config=LightningGluonConfig())
+
+
+def test_gluon_kernel_only_where_it_applies():
+    """On Hopper with Gluon the planner picks a Gluon kernel only for bf16 or fp32,
+    D=128, E and N (and block_size) multiples of 64, 16-byte aligned token rows;
+    a LightningGluonConfig outside that scope is a clear error, a
+    LightningTritonConfig always gives Triton."""
+    assert _kernel(HOPPER, (1, 64, 256, 128), 128, config=LightningTritonConfig()) == TRITON
+    assert _kernel(HOPPER, (1, 64, 256, 128), 128, "float32",
+                   config=LightningTritonConfig(dot_precision="ieee")) == TRITON
+    misaligned = (256 * 132, 256 * 132, 132, 1)  # token rows 132 bf16 elements apart
+    for args, kw in [(((1, 64, 250, 128), 128), {}), (((1, 64, 256, 128), 128, "float16"), {}),
+                     (((1, 64, 256, 96), 128), {}), (((1, 64, 256, 128), 96), {}),
+                     (((1, 64, 256, 128), 128), dict(block_size=100)),
+                     (((1, 64, 256, 128), 128), dict(strides=misaligned))]:
+        assert _kernel(HOPPER, *args, **kw) == TRITON, args
+        with pytest.raises(ValueError, match="LightningGluonConfig"):
+            _kernel(HOPPER, *args, config=LightningGluonConfig(), **kw)
+    for dtype, gluon in GLUON.items():
+        assert _kernel(HOPPER, (1, 64, 256, 128), 128, dtype) == gluon
+        assert _kernel(HOPPER, (2, 64, 256, 128), 256, dtype, output_final_state_only=True,
+                       block_size=100) == gluon
+        assert _kernel(HOPPER, (1, 2, 4096, 128), 128, dtype) == gluon  # few heads: segments
+        assert _kernel(HOPPER, (1, 2, 4096, 128), 128, dtype,
+                       config=LightningGluonConfig(num_segments=3)) == gluon
+    with pytest.raises(ValueError, match="2-deep"):
+        _kernel(HOPPER, (1, 64, 256, 128), 128, "float32", config=LightningGluonConfig(stages=4))
+    with pytest.raises(ValueError, match="dot_precision"):
+        LightningTritonConfig(dot_precision="fp64")
+
+
+def test_config_overrides_reach_the_launch():
+    cx = lambda plan: plan.launches[0].constexprs  # noqa: E731
+    plan = _prefill_plan(HOPPER, (1, 2, 4096, 128), 128,
+                         config=LightningGluonConfig(num_segments=3, stages=2))
+    assert plan.launches[0].grid == (3 * 4,) and cx(plan)["STAGES"] == 2 and cx(plan)["SEGMENTED"]
+    plan = _prefill_plan(HOPPER, (1, 64, 256, 128), 128, "float32",
+                         config=LightningTritonConfig(block_t=16, block_e=32, num_warps=2, num_stages=4,
+                                                      dot_precision="ieee"))
+    launch = plan.launches[0]
+    assert (cx(plan)["BLOCK_T"], cx(plan)["BLOCK_E"], cx(plan)["DOT_PRECISION"]) == (16, 32, "ieee")
+    assert (launch.num_warps, launch.num_stages, launch.grid) == (2, 4, (64 * 4,))
+    q = ArrayInfo.contiguous((4, 2, 1, 40), "float32")
+    launch = plan_linear_decode(HOPPER, q, q, q, ArrayInfo.contiguous((5, 2, 40, 40), "float32"),
+                                ArrayInfo.contiguous((2,), "float32"), ArrayInfo.contiguous((4,), "int64"),
+                                config=LightningDecodeConfig(16, 2)).launches[0]
+    assert launch.constexprs["BLOCK_E"] == 16 and launch.num_warps == 2 and launch.grid == (3, 8)
+
+
+def test_grid_choices_follow_the_sm_count():
+    """The tables were tuned on 132 SMs; other SM counts scale the waves."""
+    cx = lambda target, *a, **kw: _prefill_plan(target, *a, **kw).launches[0].constexprs  # noqa: E731
+    shape = ((1, 64, 4096, 128), 128)  # 128 (b, h, E-tile 64) programs
+    assert not cx(HOPPER, *shape)["SEGMENTED"] and cx(HOPPER, *shape)["STAGES"] == 4
+    assert cx(Target("cuda", 90, 264, gluon=True), *shape)["SEGMENTED"]  # half a wave
+    assert cx(Target("cuda", 90, 100, gluon=True), *shape)["STAGES"] == 2  # more than a wave
+    assert cx(Target.interpreter(), *shape)["BLOCK_E"] == 64  # fills 132 SMs at E-tile 64
+    assert cx(Target.interpreter(264), *shape)["BLOCK_E"] == 32
 
 
 # ------------------------------------------------------------------ GPU, real sizes
@@ -436,7 +620,7 @@ def _reference_torch64(q, k, v, ed, kvh, block_size):
 def test_gpu_real_size_prefill(dtype, b, h, n):
     q, k, v, ed, kvh = make_prefill(b, h, n, 128, 128, dtype)
     ref_out, ref_kv = _reference_torch64(q, k, v, ed, kvh, 256)
-    t = run_prefill("torch", q, k, v, ed, kvh, 256)
+    t = TestTorch().prefill(q, k, v, ed, kvh, 256)
     # At real sizes the no-decay head's state sums ~N outer products, so its
     # outputs dwarf the other heads' and an element-wise bound against the global
     # RMS measures tf32 rounding of the large head, not correctness: compare
@@ -444,63 +628,61 @@ def test_gpu_real_size_prefill(dtype, b, h, n):
     # near 3e-4, bf16 operands between 1e-3 and 1e-2).
     check_relative(t[0], ref_out, dtype, "output")
     check_relative(t[1], ref_kv, dtype, "states")
-    j = run_prefill("jax", q, k, v, ed, kvh, 256, jit=True)
+    j = TestJax().prefill(q, k, v, ed, kvh, 256, jit=True)
     assert_bitwise_equal(t[0], j[0], "output torch vs jax")
     assert_bitwise_equal(t[1], j[1], "states torch vs jax")
 
 
-def test_gluon_kernel_only_where_it_applies():
-    """The planner picks a Gluon kernel only for bf16 or fp32 (tf32 products),
-    D=128, E and N (and block_size) multiples of 64, on a GPU;
-    use_gluon=True outside that scope is a clear error, use_gluon=False always
-    gives Triton."""
-    def kernel(shape_q, e, dtype="bfloat16", **kw):
-        q = ArrayInfo.contiguous(shape_q, dtype)
-        v = ArrayInfo.contiguous(shape_q[:3] + (e,), dtype)
-        h = shape_q[1]
-        return plan_lightning_attention(q, q, v, ArrayInfo.contiguous((h,), "float32"),
-                                        **kw).launches[0].kernel.fn.__name__
-    triton_k = "_lightning_prefill_kernel"
-    assert kernel((1, 64, 256, 128), 128, use_gluon=False) == triton_k
-    for args, kw in [(((1, 64, 250, 128), 128), {}), (((1, 64, 256, 128), 128, "float16"), {}),
-                     (((1, 64, 256, 128), 128, "float32"), dict(dot_precision="ieee")),
-                     (((1, 64, 256, 96), 128), {}),
-                     (((1, 64, 256, 128), 128), dict(block_size=100))]:
-        assert kernel(*args, **kw) == triton_k, args
-        with pytest.raises(ValueError, match="use_gluon"):
-            kernel(*args, use_gluon=True, **kw)
-    for dtype, gluon in (("bfloat16", "_gluon_prefill_kernel"), ("float32", "_gluon_prefill_tf32_kernel")):
-        expected = gluon if GPU else triton_k  # the interpreter cannot run Gluon
-        assert kernel((1, 64, 256, 128), 128, dtype) == expected
-        assert kernel((2, 64, 256, 128), 256, dtype, output_final_state_only=True,
-                      block_size=100) == expected
-        assert kernel((1, 2, 4096, 128), 128, dtype) == expected  # few heads: segments
+# (4, 2048): a chained scan of 8 segments; (4, 2112): 33 chunks, a last segment
+# of 3; (4, 64, 384): 512 programs, more than one wave, so bf16 takes the 2-deep
+# ring (two programs per SM); (64, 320) and (64, 64): an odd chunk count and a
+# single chunk (the fp32 kernel's two warpgroups alternate between 2 ring slots)
+GLUON_CASES = [(1, 64, 640), (1, 4, 2048), (1, 4, 2112), (4, 64, 384), (1, 64, 320), (1, 64, 64)]
+GLUON_BLOCK = 128
+
+
+def _gluon_test_plans(target, dtype, fso, history, b, h, n, strides):
+    """The plans test_gpu_gluon_prefill_strided_inputs runs ([B, N, H, D] views),
+    checked: the Gluon kernel by default, the Triton kernel under its config."""
+    infos = [ArrayInfo((b, h, n, 128), dtype, strides) for _ in range(3)]
+    ed, hist = ArrayInfo.contiguous((h,), "float32"), ArrayInfo.contiguous((b, h, 128, 128), "float32")
+    kw = dict(block_size=GLUON_BLOCK, output_final_state_only=fso)
+    plan = plan_lightning_attention(target, *infos, ed, hist if history else None, **kw)
+    assert plan.launches[0].kernel.fn.__name__ == GLUON[dtype]
+    assert plan.launches[0].constexprs["SEGMENTED"] == (h == 4)
+    assert plan.launches[0].constexprs["STAGES"] == (4 if dtype == "bfloat16" and b == 1 else 2)
+    plan_t = plan_lightning_attention(target, *infos, ed, hist if history else None,
+                                      config=LightningTritonConfig(), **kw)
+    assert plan_t.launches[0].kernel.fn.__name__ == TRITON
+    return plan, plan_t
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("fso", [False, True])
+@pytest.mark.parametrize("history", [False, True])
+@pytest.mark.parametrize("b,h,n", GLUON_CASES)
+def test_gluon_test_plans_build(dtype, fso, history, b, h, n):
+    """Off the GPU: the GPU test's plans for the H200 (Target with Gluon) build."""
+    _gluon_test_plans(HOPPER, dtype, fso, history, b, h, n, (n * h * 128, 128, h * 128, 1))
 
 
 @requires_gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("fso", [False, True])
 @pytest.mark.parametrize("history", [False, True])
-# (4, 2048): a chained scan of 8 segments; (4, 2112): 33 chunks, a last segment
-# of 3; (4, 64, 384): 512 programs, more than one wave, so bf16 takes the 2-deep
-# ring (two programs per SM); (64, 320) and (64, 64): an odd chunk count and a
-# single chunk (the fp32 kernel's two warpgroups alternate between 2 ring slots)
-@pytest.mark.parametrize("b,h,n", [(1, 64, 640), (1, 4, 2048), (1, 4, 2112), (4, 64, 384),
-                                   (1, 64, 320), (1, 64, 64)])
+@pytest.mark.parametrize("b,h,n", GLUON_CASES)
 def test_gpu_gluon_prefill_strided_inputs(dtype, fso, history, b, h, n):
     """The Gluon kernels (bf16 / fp32, D=128, N and block_size multiples of 64)
     on the [B, N, H, D] layout models keep (a transposed view), against the
     float64 recurrence and the Triton kernel, and torch vs JAX bit for bit."""
-    bs = 128
+    from adapters.torch._executor import run_plan, target_for
+    bs = GLUON_BLOCK
     q, k, v, ed, kvh = make_prefill(b, h, n, 128, 128, dtype, history=history)
     views = [to_torch(np.ascontiguousarray(x.transpose(0, 2, 1, 3))).transpose(1, 2) for x in (q, k, v)]
-    infos = [ArrayInfo(tuple(t.shape), dtype, tuple(t.stride())) for t in views]
-    hinfo = None if kvh is None else ci(kvh)
-    plan = plan_lightning_attention(*infos, ci(ed), hinfo, block_size=bs, output_final_state_only=fso)
-    gluon = "_gluon_prefill_kernel" if dtype == "bfloat16" else "_gluon_prefill_tf32_kernel"
-    assert plan.launches[0].kernel.fn.__name__ == gluon
-    assert plan.launches[0].constexprs["SEGMENTED"] == (h == 4)
-    assert plan.launches[0].constexprs["STAGES"] == (4 if dtype == "bfloat16" and b == 1 else 2)
+    target = target_for(views[0].device)
+    if not (target.gluon and target.hopper):
+        pytest.skip(f"no Gluon kernels on {target}")
+    _, plan_t = _gluon_test_plans(target, dtype, fso, history, b, h, n, views[0].stride())
     th = None if kvh is None else to_torch(kvh)
     o, kv = at.lightning_attention(*views, to_torch(ed), bs, th, fso)
     o, kv = torch_to_numpy(o), torch_to_numpy(kv)
@@ -510,17 +692,13 @@ def test_gpu_gluon_prefill_strided_inputs(dtype, fso, history, b, h, n):
     check_relative(kv, ref_kv[:, :, -1] if fso else ref_kv, dtype, "states")
     # the Triton kernel on the same inputs: rounding-level agreement (bf16: the
     # same products; fp32: tf32 here, a bf16 hi/lo split state product there)
-    plan_t = plan_lightning_attention(*infos, ci(ed), hinfo, block_size=bs,
-                                      output_final_state_only=fso, use_gluon=False)
-    assert plan_t.launches[0].kernel.fn.__name__ == "_lightning_prefill_kernel"
-    from adapters.torch._executor import run_plan
     tensors = dict(q=views[0], k=views[1], v=views[2], ed=to_torch(ed))
     if th is not None:
         tensors["kv_history"] = th
     env = run_plan(plan_t, tensors)
     check_relative(o, torch_to_numpy(env["output"]), dtype, "output vs the Triton kernel")
     check_relative(kv, torch_to_numpy(env["kv"]), dtype, "states vs the Triton kernel")
-    j = run_prefill("jax", q, k, v, ed, kvh, bs, fso, jit=True)
+    j = TestJax().prefill(q, k, v, ed, kvh, bs, fso, jit=True)
     assert_bitwise_equal(o, j[0], "output torch vs jax")
     assert_bitwise_equal(kv, j[1], "states torch vs jax")
 
@@ -532,33 +710,12 @@ def test_gpu_real_size_decode(dtype):
     q, k, v, cache, slope = make_decode(b, h, d, num_slots, dtype)
     slots = rng().permutation(num_slots)[:b].astype(np.int64)
     slots[::7] = -1
-    t = run_decode("torch", q, k, v, cache, slope, slots)
+    t = TestTorch().decode(q, k, v, cache, slope, slots)
     ref_out, ref_cache = linear_decode_reference(q, k, v, cache, slope, slots)
     check(t[0], ref_out, dtype, "output")
     check(t[1], ref_cache, dtype, "cache")
     untouched = [s for s in range(num_slots) if s not in slots]
     assert_bitwise_equal(t[1][untouched], cache[untouched], "untouched slots")
-    j = run_decode("jax", q, k, v, cache, slope, slots, jit=True)
+    j = TestJax().decode(q, k, v, cache, slope, slots, jit=True)
     assert_bitwise_equal(t[0], j[0], "decode output torch vs jax")
     assert_bitwise_equal(t[1], j[1], "decode cache torch vs jax")
-
-
-@requires_gpu
-def test_cuda_graph_replay_decode():
-    q, k, v, cache, slope = make_decode(8, 64, 128, 10, "bfloat16")
-    slots = np.array([3, 1, -1, 9, 0, 2, 5, 7], np.int64)
-    args = [to_torch(x) for x in (q, k, v, cache, slope, slots)]
-    at.linear_decode_forward_triton(*args)  # warm-up compiles outside capture
-    args[3].copy_(to_torch(cache))
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = at.linear_decode_forward_triton(*args)
-    q2, k2, v2, _, _ = make_decode(8, 64, 128, 10, "bfloat16")
-    for dst, src in zip(args, (q2, k2, v2)):
-        dst.copy_(to_torch(src))
-    args[3].copy_(to_torch(cache))
-    g.replay()
-    torch.cuda.synchronize()
-    ref_out, ref_cache = linear_decode_reference(q2, k2, v2, cache, slope, slots)
-    check(torch_to_numpy(out), ref_out, "bfloat16", "graph replay output")
-    check(torch_to_numpy(args[3]), ref_cache, "bfloat16", "graph replay cache")

@@ -57,8 +57,11 @@ def merge_cases():
         o, lse = _ai((n, h, d), dt), _ai((h, n), "float32")
         yield f"merge {dt} {n}x{h}x{d}", _call(p, o, lse, o, lse, o, lse)
     o, lse = _ai((512, 8, 128), "bfloat16"), _ai((8, 512), "float32")
+    fp8 = dict(output_scale=_ai((1,), "float32"))
+    if "has_output_scale" in inspect.signature(p).parameters:  # the planner before 2026-11-24
+        fp8 = dict(has_output_scale=True)
     yield "merge fp8 out, scalar ctx", _call(p, o, lse, o, lse, _ai((512, 8, 128), "float8_e4m3fn"),
-                                             None, num_ctx="scalar", has_output_scale=True)
+                                             None, num_ctx="scalar", **fp8)
     yield "merge jax array ctx", _call(p, o, lse, o, lse, num_ctx="array")
     padded = _ai((512, 8, 128), "bfloat16", (11 * 128, 128, 1))
     yield "merge padded heads", _call(p, padded, lse, o, lse, o, lse)
@@ -86,6 +89,17 @@ def prefix_cases():
            _ai((b, 300), "int32"), _ai((b + 1,), "int32"), _ai((b,), "int32"), _ai((t, 32, 128), "bfloat16"),
            _ai((1,), "float32"), _ai((1,), "float32"))
     yield "prefix fp8 cache", _call(p, *fp8, max_input_len=256, kv_cache_dtype="fp8")
+    # the paged path at 16-bit D=128 (a block table too wide for the scratch), an
+    # int64 table with sinks, skip_decode and an fp8 output
+    b, q, width, t = 4, 1024, 2560, 4096
+    paged = (_ai((t, 32, 128), "float16"), _ai((t, 8, 128), "float16"), _ai((t, 8, 128), "float16"),
+             _ai((b * width, 8, 16, 16, 8), "float16"), _ai((b * width, 8, 128, 16), "float16"),
+             _ai((b, width), "int64"), _ai((b + 1,), "int64"), _ai((b,), "int64"))
+    yield "prefix float16 paged (wide table)", _call(p, *paged, _ai((t, 32, 128), "float16"),
+                                                     max_input_len=q)
+    yield "prefix float16 paged sinks+skip_decode+fp8 out", _call(
+        p, *paged, _ai((t, 32, 128), "float8_e4m3fn"), None, None, None, _ai((32,), "float32"),
+        _ai((1,), "float32"), max_input_len=q, skip_decode=True)
 
 
 def lightning_cases():
@@ -102,10 +116,23 @@ def lightning_cases():
             p, q, q, q, ed, _ai((b, h, 128, 128), "float32"))
     q = _ai((2, 3, 50, 48), "float32")
     yield "lightning odd D/E", _call(p, q, q, _ai((2, 3, 50, 80), "float32"), _ai((3,), "float32"))
+    # the [B, N, H, D] layout models keep (transposed views: token stride H * D), block
+    # size 128, with history: both Gluon kernels (chained scan, 2-deep fp32 ring over
+    # many programs) and the Triton kernel (fp16, and bf16 with a masked D, segmented)
+    for dt, b, h, n, d in (("bfloat16", 1, 8, 16384, 128), ("float32", 4, 64, 1024, 128),
+                           ("float16", 2, 16, 2048, 128), ("bfloat16", 1, 4, 4096, 96)):
+        view = _ai((b, h, n, d), dt, (n * h * d, d, h * d, 1))
+        yield f"lightning {dt} B{b} H{h} N{n} D{d} [B,N,H,D] view bs128 history", _call(
+            p, view, view, view, _ai((h,), "float32"), _ai((b, h, d, d), "float32"), block_size=128)
     for dt, b in (("bfloat16", 64), ("float32", 64), ("bfloat16", 1)):
         q = _ai((b, 64, 1, 128), dt)
         yield f"decode {dt} B{b}", _call(pd, q, q, q, _ai((b + 8, 64, 128, 128), "float32"),
                                          _ai((64,), "float32"), _ai((b,), "int64"))
+    # odd D (masked tiles), q/k/v slices of a fused qkv, a heads-outermost padded cache
+    q = _ai((8, 4, 1, 48), "float16", (4 * 144, 144, 144, 1))
+    yield "decode float16 D48 fused qkv, strided cache", _call(
+        pd, q, q, q, _ai((12, 4, 48, 48), "float32", (48 * 48, 12 * 48 * 48 + 48, 48, 1)),
+        _ai((4,), "float32"), _ai((8,), "int32"))
 
 
 def blocksparse_cases():
@@ -121,6 +148,18 @@ def blocksparse_cases():
         yield f"blocksparse {dt} {b}x{n} decode={decode}", _call(
             p, _ai((tq, hq, d), dt), _ai((tk, hkv, d), dt), _ai((tk, hkv, d), dt), _ai((b + 1,), "int32"),
             None, _ai(crow.shape, "int32"), _ai(col.shape, "int32"), block_size=bs, max_seqlen=n)
+    # the other paths: q blocks of two layout rows over cu_seqlens_q (mixed batch), odd and
+    # large head sizes (masked D, 8 warps), block 16, fp32 packed decode (stages cut to fit)
+    for dt, hq, hkv, d, bs, b, n, q_len, qbs in (
+            ("bfloat16", 32, 8, 128, 64, 4, 2048, 512, 128), ("float16", 8, 2, 96, 16, 3, 1024, 300, None),
+            ("bfloat16", 16, 4, 256, 64, 2, 2048, 2048, None), ("float32", 32, 8, 256, 64, 32, 1024, None, None)):
+        (crow, col), _ = get_sparse_attn_mask(hq, n, bs, 16, 8, False, None)
+        tk, tq = b * n, b if q_len is None else b * q_len
+        cu_q = None if q_len is None else _ai((b + 1,), "int32")
+        yield f"blocksparse {dt} {b}x{n} q{q_len} D{d} bs{bs} q_block_size={qbs}", _call(
+            p, _ai((tq, hq, d), dt), _ai((tk, hkv, d), dt), _ai((tk, hkv, d), dt), _ai((b + 1,), "int32"),
+            cu_q, _ai(crow.shape, "int32"), _ai(col.shape, "int32"), block_size=bs, q_block_size=qbs,
+            max_seqlen=n)
 
 
 CASES = {"merge_attn_states": merge_cases, "prefix_prefill": prefix_cases,

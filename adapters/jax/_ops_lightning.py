@@ -7,11 +7,11 @@ import numpy as np
 from core_kernels.lightning_attention import (check_slot_ids, plan_lightning_attention,
                                               plan_linear_decode)
 
-from ._executor import info, run_plan
+from ._executor import info, run_plan, target
 
 
 def lightning_attention(q, k, v, ed, *, block_size=256, kv_history=None,
-                        output_final_state_only=False):
+                        output_final_state_only=False, config=None):
     """Linear attention with per-head decay over a whole sequence (prefill).
 
     S_t = exp(-ed[h]) * S_{t-1} + k_t^T v_t (S_{-1} = kv_history or 0), o_t = q_t S_t.
@@ -23,6 +23,9 @@ def lightning_attention(q, k, v, ed, *, block_size=256, kv_history=None,
         block_size: positive int; granularity of the returned per-block states.
         kv_history: optional [B, H, D, E] float32 starting state.
         output_final_state_only: return only the final state.
+        config: optional ``LightningTritonConfig`` (forces the Triton kernel) or
+            ``LightningGluonConfig`` (forces the Gluon kernels) overriding the
+            planner's choice (static).
     Returns:
         (output [B, H, N, E] in q's dtype, kv float32 [B, H, NB + 1, D, E] with
         NB = ceil(N / block_size), or [B, H, D, E] with output_final_state_only).
@@ -30,13 +33,15 @@ def lightning_attention(q, k, v, ed, *, block_size=256, kv_history=None,
     arrays = dict(q=q, k=k, v=v, ed=ed)
     if kv_history is not None:
         arrays["kv_history"] = kv_history
-    plan = plan_lightning_attention(info(q), info(k), info(v), info(ed),
+    tgt = target(arrays)
+    plan = plan_lightning_attention(tgt, info(q), info(k), info(v), info(ed),
                                     None if kv_history is None else info(kv_history),
-                                    block_size=block_size, output_final_state_only=output_final_state_only)
-    return run_plan(plan, arrays)
+                                    block_size=block_size, output_final_state_only=output_final_state_only,
+                                    config=config)
+    return run_plan(plan, arrays, tgt)
 
 
-def linear_decode_forward_triton(q, k, v, kv_caches, slope_rate, slot_idx):
+def linear_decode_forward_triton(q, k, v, kv_caches, slope_rate, slot_idx, *, config=None):
     """One decode step of lightning attention over a slot-indexed state cache.
 
     Args:
@@ -47,6 +52,7 @@ def linear_decode_forward_triton(q, k, v, kv_caches, slope_rate, slot_idx):
             Ids outside [-1, num_slots) raise ValueError when the ids are host
             data; traced or on the GPU such a row's output is NaN and no slot
             is touched.
+        config: optional ``LightningDecodeConfig`` overriding the planner's tiling (static).
     Returns:
         (output [B, H * E] in q's dtype, new kv_caches). The cache is aliased to
         the kernel's output: under jax.jit with kv_caches donated it is updated
@@ -56,7 +62,8 @@ def linear_decode_forward_triton(q, k, v, kv_caches, slope_rate, slot_idx):
             isinstance(slot_idx, jax.Array) and not isinstance(slot_idx, jax.core.Tracer)
             and all(d.platform == "cpu" for d in slot_idx.devices())):
         check_slot_ids(np.asarray(slot_idx), kv_caches.shape[0])
-    plan = plan_linear_decode(info(q), info(k), info(v), info(kv_caches), info(slope_rate),
-                              info(slot_idx))
-    return run_plan(plan, dict(q=q, k=k, v=v, kv_caches=kv_caches, slope_rate=slope_rate,
-                               slot_idx=slot_idx))
+    arrays = dict(q=q, k=k, v=v, kv_caches=kv_caches, slope_rate=slope_rate, slot_idx=slot_idx)
+    tgt = target(arrays)
+    plan = plan_linear_decode(tgt, info(q), info(k), info(v), info(kv_caches), info(slope_rate),
+                              info(slot_idx), config=config)
+    return run_plan(plan, arrays, tgt)

@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from core_kernels._plan import decode_config, encode_config
 from core_kernels.lightning_attention import (check_slot_ids, plan_lightning_attention,
                                               plan_linear_decode, prefill_state_shape)
 
@@ -15,9 +16,10 @@ from ._register import custom_op
 
 def _prefill_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.Tensor,
                   block_size: int, kv_history: Optional[torch.Tensor],
-                  output_final_state_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  output_final_state_only: bool, config: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
     plan, device = planned(plan_lightning_attention, dict(q=q, k=k, v=v, ed=ed, kv_history=kv_history),
-                           block_size=block_size, output_final_state_only=output_final_state_only)
+                           block_size=block_size, output_final_state_only=output_final_state_only,
+                           config=decode_config(config))
     tensors = dict(q=q, k=k, v=v, ed=ed)
     if kv_history is not None:
         tensors["kv_history"] = kv_history
@@ -25,7 +27,7 @@ def _prefill_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.T
     return env["output"], env["kv"]
 
 
-def _prefill_fake(q, k, v, ed, block_size, kv_history, output_final_state_only):
+def _prefill_fake(q, k, v, ed, block_size, kv_history, output_final_state_only, config):
     b, h, n, d = q.shape
     e = v.shape[-1]
     return (q.new_empty((b, h, n, e)),
@@ -38,7 +40,8 @@ _prefill_op = custom_op("lightning_attention", _prefill_impl, fake=_prefill_fake
 
 def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.Tensor,
                         block_size: int = 256, kv_history: Optional[torch.Tensor] = None,
-                        output_final_state_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                        output_final_state_only: bool = False, *,
+                        config=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Linear attention with per-head decay over a whole sequence (prefill).
 
     S_t = exp(-ed[h]) * S_{t-1} + k_t^T v_t (S_{-1} = kv_history or 0), o_t = q_t S_t.
@@ -51,6 +54,10 @@ def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: t
         kv_history: optional [B, H, D, E] float32 starting state; never modified.
         output_final_state_only: return only the final state (no per-block states
             are written).
+        config: optional ``core_kernels.lightning_attention.LightningTritonConfig``
+            (forces the Triton kernel; e.g. ``dot_precision="ieee"`` for exact fp32
+            products) or ``LightningGluonConfig`` (forces the Gluon kernels; ValueError
+            where they do not apply) overriding the planner's choice.
     Returns:
         (output [B, H, N, E] in q's dtype, kv float32): kv is [B, H, NB + 1, D, E]
         with NB = ceil(N / block_size), kv[:, :, i] the state before token
@@ -60,13 +67,15 @@ def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: t
     and bf16 products in bf16. Works eagerly, under torch.compile and in CUDA
     graphs; CPU tensors run under Triton's interpreter on a machine without a GPU.
     """
-    return _prefill_op(q, k, v, ed, block_size, kv_history, output_final_state_only)
+    return _prefill_op(q, k, v, ed, block_size, kv_history, output_final_state_only,
+                       encode_config(config))
 
 
 def _decode_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_caches: torch.Tensor,
-                 slope_rate: torch.Tensor, slot_idx: torch.Tensor) -> torch.Tensor:
+                 slope_rate: torch.Tensor, slot_idx: torch.Tensor, config: Optional[str]) -> torch.Tensor:
     plan, device = planned(plan_linear_decode, dict(q=q, k=k, v=v, kv_caches=kv_caches,
-                                                    slope_rate=slope_rate, slot_idx=slot_idx))
+                                                    slope_rate=slope_rate, slot_idx=slot_idx),
+                           config=decode_config(config))
     if device.type == "cpu":  # host data: checking costs no device sync
         check_slot_ids(slot_idx.numpy(), kv_caches.shape[0])
     env = run_plan(plan, dict(q=q, k=k, v=v, kv_caches=kv_caches, slope_rate=slope_rate,
@@ -74,7 +83,7 @@ def _decode_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_caches: t
     return env["output"]
 
 
-def _decode_fake(q, k, v, kv_caches, slope_rate, slot_idx):
+def _decode_fake(q, k, v, kv_caches, slope_rate, slot_idx, config):
     return q.new_empty((q.shape[0], q.shape[1] * v.shape[-1]))
 
 
@@ -84,7 +93,8 @@ _decode_op = custom_op("linear_decode_forward_triton", _decode_impl,
 
 def linear_decode_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                  kv_caches: torch.Tensor, slope_rate: torch.Tensor,
-                                 slot_idx: torch.Tensor, BLOCK_SIZE: int = 32) -> torch.Tensor:
+                                 slot_idx: torch.Tensor, BLOCK_SIZE: int = 32, *,
+                                 config=None) -> torch.Tensor:
     """One decode step of lightning attention over a slot-indexed state cache.
 
     Args:
@@ -99,8 +109,10 @@ def linear_decode_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             on the host; on the GPU (no sync) such a row's output is NaN and no
             cache slot is touched.
         BLOCK_SIZE: accepted for vLLM compatibility; the tiling is the planner's.
+        config: optional ``core_kernels.lightning_attention.LightningDecodeConfig``
+            overriding the planner's tiling.
     Returns:
         output [B, H * E] in q's dtype, o = q S_new.
     """
     del BLOCK_SIZE
-    return _decode_op(q, k, v, kv_caches, slope_rate, slot_idx)
+    return _decode_op(q, k, v, kv_caches, slope_rate, slot_idx, encode_config(config))

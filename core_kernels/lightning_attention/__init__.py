@@ -1,6 +1,8 @@
-from .plan import (check_slot_ids, plan_lightning_attention, plan_linear_decode,
+from .plan import (LightningDecodeConfig, LightningGluonConfig, LightningTritonConfig,
+                   check_slot_ids, plan_lightning_attention, plan_linear_decode,
                    prefill_state_shape)
 from .reference import lightning_attention_reference, linear_decode_reference
 
-__all__ = ["plan_lightning_attention", "plan_linear_decode", "prefill_state_shape",
+__all__ = ["LightningTritonConfig", "LightningGluonConfig", "LightningDecodeConfig",
+           "plan_lightning_attention", "plan_linear_decode", "prefill_state_shape",
            "check_slot_ids", "lightning_attention_reference", "linear_decode_reference"]

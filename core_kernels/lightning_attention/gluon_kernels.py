@@ -27,11 +27,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
                                                              warpgroup_mma, warpgroup_mma_wait)
 
-# ints are compiled without divisibility specialisation, as jax-triton does
-# (see kernels._PREFILL_INTS); strides arrive divided by ALIGN
-_GLUON_INTS = ("num_heads num_rows seq_len seg_chunks num_segments stride_decay stride_qb stride_qh "
-               "stride_kb stride_kh stride_vb stride_vh stride_hb stride_hh stride_hd").split()
-_GLUON_RUNTIME = ["num_rows", "seq_len", "seg_chunks", "num_segments"]
+from .._triton_utils import jit  # the integer policy; strides arrive divided by ALIGN
 
 
 @gluon.jit
@@ -262,10 +258,10 @@ def _store_final(b_s, kv_base, offs_s, seg, num_segments, num_chunks, D: gl.cons
             gl.store(kv_base + offs_s, b_s)
 
 
-@gluon.jit(do_not_specialize=_GLUON_RUNTIME, do_not_specialize_on_alignment=_GLUON_INTS)
+@jit(gluon=True)
 def _gluon_prefill_kernel(
     q_ptr, k_ptr, v_ptr, decay_ptr, history_ptr,
-    num_heads, num_rows, seq_len, seg_chunks, num_segments, stride_decay,
+    num_heads, num_rows, seq_len, seg_chunks, last_segment, stride_decay,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
     stride_hb, stride_hh, stride_hd,
     o_ptr, kv_ptr, pub_ptr, sync_ptr,
@@ -279,7 +275,15 @@ def _gluon_prefill_kernel(
     every BLOCK_CHUNKS * T tokens plus the final one; 0: kv is the final state
     [B, H, D, E]. o and kv are contiguous; q, k, v, history have strides.
     SEGMENTED: the sequence is cut into segments of seg_chunks chunks (whole
-    state blocks), chained through pub_ptr / sync_ptr (_chain).
+    state blocks), chained through pub_ptr / sync_ptr (_chain); last_segment is
+    the index of the last one (0 when not segmented).
+    NOTE: the last segment's index, not the segment count, so that an
+    unsegmented launch never passes a 1, which the integer policy specialises
+    (core_kernels._triton_utils.jit): a constant count folds _store_final's test,
+    and LLVM then kept the state's store offsets live across the loop. H200,
+    per-block states, same plans, 2026-11-24: B=1, H=64, N=4096 100.3 us with a
+    runtime count, 107.6 us with the count specialised to 1; B=4, N=1024 107.4
+    vs 111.4 us (final state only and the fp32 kernel: unchanged).
     NOTE: the token strides are constexprs: as runtime values every load offset
     needed its own register across the loop (140 bytes/thread of spills, and a
     112-byte spill made the prototype 2x slower); as constants they fold into
@@ -297,6 +301,7 @@ def _gluon_prefill_kernel(
     sh_v: gl.constexpr = gl.NVMMASharedLayout.get_default_for([T, BE], gl.bfloat16)
     sh_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([D, BE], gl.bfloat16)
 
+    num_segments = last_segment + 1
     (ticket, per_seg, seg, i_bh, i_b, i_h, e0, s, c_lo, c_hi, num_chunks, base_q, base_k, base_v,
      base_o) = _program(sync_ptr, num_heads, num_rows, seq_len, seg_chunks, decay_ptr, stride_decay,
                         q_ptr, k_ptr, v_ptr, o_ptr, stride_qb, stride_qh, stride_kb, stride_kh,
@@ -459,10 +464,10 @@ def _tf32_output_partition(q_ring, k_ring, st_buf, vt_buf, ready, st_free, vt_fr
         gl.store(base_o + (t_te + c * T)[:, None] * E + c_te[None, :], acc_o)
 
 
-@gluon.jit(do_not_specialize=_GLUON_RUNTIME, do_not_specialize_on_alignment=_GLUON_INTS)
+@jit(gluon=True)
 def _gluon_prefill_tf32_kernel(
     q_ptr, k_ptr, v_ptr, decay_ptr, history_ptr,
-    num_heads, num_rows, seq_len, seg_chunks, num_segments, stride_decay,
+    num_heads, num_rows, seq_len, seg_chunks, last_segment, stride_decay,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
     stride_hb, stride_hh, stride_hd,
     o_ptr, kv_ptr, pub_ptr, sync_ptr,
@@ -501,6 +506,7 @@ def _gluon_prefill_tf32_kernel(
     sh_vt: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BE, T], gl.float32)
     gl.static_assert(STAGES == 2, "the warp-specialised loop keeps a 2-deep load ring")
 
+    num_segments = last_segment + 1
     (ticket, per_seg, seg, i_bh, i_b, i_h, e0, s, c_lo, c_hi, num_chunks, base_q, base_k, base_v,
      base_o) = _program(sync_ptr, num_heads, num_rows, seq_len, seg_chunks, decay_ptr, stride_decay,
                         q_ptr, k_ptr, v_ptr, o_ptr, stride_qb, stride_qh, stride_kb, stride_kh,

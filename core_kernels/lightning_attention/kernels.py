@@ -29,6 +29,8 @@ returned per-block states whatever block_size is.
 import triton
 import triton.language as tl
 
+from .._triton_utils import jit
+
 
 # NOTE: tl.zeros and tl.sum are @triton.jit helpers of triton.language, which
 # the interpreter (CPU path) cannot call from a kernel interpreted by
@@ -157,24 +159,6 @@ def _store_state_parts(ptr, b_s, e0, stride_d, head_k, head_v, BLOCK_D: tl.const
                 EVEN_E)
 
 
-# NOTE: jax-triton specializes no integer argument on divisibility (only == 1),
-# while torch's launcher marks every int divisible by 16. Kernels compiled from
-# different knowledge pick different layouts (seen on the H200: decode outputs
-# differed in the last bit between torch and JAX, and JAX prefill ran 1.6x
-# slower). So ints are never specialized on alignment here (as in jax-triton),
-# and the plan passes strides divided by ALIGN (a power of two dividing all of
-# them), multiplied back in the kernel: both frameworks compile the same code
-# and both know the strides' alignment (vectorized loads).
-_PREFILL_INTS = ("num_heads num_rows seq_len head_k head_v block_len num_blocks num_chunks "
-                 "blocks_per_seg stride_decay stride_qb stride_qh stride_qt stride_kb stride_kh "
-                 "stride_kt stride_vb stride_vh stride_vt stride_ob stride_oh stride_ot stride_hb "
-                 "stride_hh stride_hd stride_pb stride_ph stride_pp stride_pd stride_kvb stride_kvh "
-                 "stride_kvi stride_kvd").split()
-_DECODE_INTS = ("num_heads num_slots head_k head_v stride_decay stride_qb stride_qh stride_kb "
-                "stride_kh stride_vb stride_vh stride_cs stride_ch stride_cd stride_ce "
-                "stride_ob stride_oh").split()
-
-
 @triton.jit
 def _segment_contribution(k_ptr, v_ptr, base_k, base_v, stride_kt, stride_vt, s, seq_len, seg_t0, seg_t1,
                           o_d, o_e, m_d, m_e, P1_T: tl.constexpr, P1_STAGES: tl.constexpr,
@@ -204,8 +188,7 @@ def _segment_contribution(k_ptr, v_ptr, base_k, base_v, stride_kt, stride_vt, s,
     return b_l
 
 
-@triton.jit(do_not_specialize=["seq_len", "num_blocks", "num_chunks"],
-            do_not_specialize_on_alignment=_PREFILL_INTS)
+@jit
 def _lightning_prefill_kernel(
     # input pointers
     q_ptr, k_ptr, v_ptr, decay_ptr, history_ptr,
@@ -240,6 +223,10 @@ def _lightning_prefill_kernel(
     The published end states are the returned per-block states when those are
     requested (PUBLISH_IN_KV), otherwise a scratch buffer.
     """
+    # NOTE: integer arguments follow the package's policy (core_kernels._triton_utils.jit):
+    # the strides arrive divided by their alignment group ALIGN and are multiplied
+    # back here, so torch and JAX compile the same code and both know the strides'
+    # alignment (before that policy JAX's prefill ran 1.6x slower on the H200).
     stride_qb, stride_qh, stride_qt = stride_qb * ALIGN, stride_qh * ALIGN, stride_qt * ALIGN
     stride_kb, stride_kh, stride_kt = stride_kb * ALIGN, stride_kh * ALIGN, stride_kt * ALIGN
     stride_vb, stride_vh, stride_vt = stride_vb * ALIGN, stride_vh * ALIGN, stride_vt * ALIGN
@@ -363,7 +350,7 @@ def _lightning_prefill_kernel(
             _store_state(p_kv, b_s, o_d, o_e, stride_kvd, m_d, m_e)
 
 
-@triton.jit(do_not_specialize_on_alignment=_DECODE_INTS)
+@jit
 def _lightning_decode_kernel(
     # input pointers
     q_ptr, k_ptr, v_ptr, cache_in_ptr, decay_ptr, slot_ptr,
@@ -380,6 +367,7 @@ def _lightning_decode_kernel(
     """One decode step for (row b, head h, E-tile): S = lambda S + k^T v in the
     cache slot, o = q S. Slot -1: output 0, no cache access; a slot outside
     [-1, num_slots): output NaN, no cache access (masked, no branches)."""
+    # strides arrive divided by their alignment group ALIGN (see the prefill kernel)
     stride_qb, stride_qh, stride_kb, stride_kh = (stride_qb * ALIGN, stride_qh * ALIGN,
                                                   stride_kb * ALIGN, stride_kh * ALIGN)
     stride_vb, stride_vh, stride_ob, stride_oh = (stride_vb * ALIGN, stride_vh * ALIGN,

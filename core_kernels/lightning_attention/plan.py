@@ -1,11 +1,22 @@
-"""Validation and launch plans for lightning attention prefill and decode (framework-free)."""
+"""Validation and launch plans for lightning attention prefill and decode (framework-free).
+
+Prefill runs one of three kernels: the Triton kernel (kernels.py, any shape,
+config :class:`LightningTritonConfig`) or, on Hopper with Gluon support and
+within their scope, the bf16 / fp32 Gluon kernels (gluon_kernels.py, config
+:class:`LightningGluonConfig`). Decode runs kernels.py's decode kernel
+(:class:`LightningDecodeConfig`). Each planner: validate -> problem (a frozen
+description of the facts) -> config (measured tables, or ``config=``) -> launch.
+"""
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
 from .._plan import (FLOAT_DTYPES, INT_DTYPES, ArrayInfo, Buffer, Launch, Plan, Scalar, cdiv,
-                     check_dtype, check_inner_contiguous, check_ndim, check_shape,
-                     interpret_requested, memoize, next_pow2)
+                     check_config, check_dtype, check_inner_contiguous, check_ndim, check_shape,
+                     config_class, memoize, next_pow2, pow2_divisor, row_major_strides)
+from .._target import Target
 from .kernels import _lightning_decode_kernel, _lightning_prefill_kernel
 
 MAX_HEAD_SIZE = 256
@@ -18,13 +29,51 @@ DOT_PRECISIONS = ("tf32", "tf32x3", "ieee")
 # head's outputs dwarf the others', so an error measured against the global RMS
 # reached 2.7-5.4% there: tf32 rounding of the large head; per head the relative
 # error is ~4e-4, see tests/test_lightning_attention.check_relative.)
-# Pass dot_precision="ieee" to the planner for exact-fp32 products. The
+# Pass LightningTritonConfig(dot_precision="ieee") for exact-fp32 products. The
 # interpreter (CPU) is always exact fp32. In kernels.py, with "tf32" and whole
 # tiles, the state product k^T v is computed from bf16 hi/lo pairs instead (three
 # bf16 MMAs, ~16 significant bits: more precise than tf32, and 1.4x faster for the
 # whole prefill because bf16 MMAs read the transposed k natively;
 # kernels._state_product). The fp32 Gluon kernel makes all four products tf32.
 DEFAULT_DOT_PRECISION = "tf32"
+
+
+@config_class
+class LightningTritonConfig:
+    """The Triton prefill kernel (kernels._lightning_prefill_kernel); passing one
+    forces that kernel. None fields are the planner's choice (measured tables).
+    block_t: tokens per chunk; block_e: E-tile (columns of the state per program);
+    num_segments: chained-scan segments per (b, h, E-tile); dot_precision: the
+    products' input precision on the GPU ("tf32", "tf32x3" or "ieee")."""
+    block_t: int | None = None
+    block_e: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    num_segments: int | None = None
+    dot_precision: str = DEFAULT_DOT_PRECISION
+
+    def __post_init__(self):
+        if self.dot_precision not in DOT_PRECISIONS:
+            raise ValueError(f"dot_precision: expected one of {DOT_PRECISIONS}, got {self.dot_precision!r}")
+
+
+@config_class
+class LightningGluonConfig:
+    """The Gluon prefill kernels (gluon_kernels.py: bf16, or fp32 with tf32
+    products); passing one forces them (ValueError where they do not apply).
+    None fields are the planner's choice. num_segments: chained-scan segments
+    per (b, h, E-tile); stages: load ring depth (the fp32 kernel needs 2)."""
+    num_segments: int | None = None
+    stages: int | None = None
+
+
+@config_class
+class LightningDecodeConfig:
+    """The decode kernel: E-tile (state columns per program) and warps."""
+    block_e: int = 64
+    num_warps: int = 4
+
+
 # NOTE: one program per (b, h, E-tile) keeps a [D, BLOCK_E] fp32 state in
 # registers. Chunk length / E-tile / warps / stages from ptxas' resource report
 # (sm_90, compiled off-GPU: tools/offline_compile.py) and the H200 sweeps in
@@ -33,13 +82,13 @@ DEFAULT_DOT_PRECISION = "tf32"
 # transposed from shared memory, so k^T goes through registers) and ran
 # 623-734 us; 32-token chunks, E-tile 64, 8 warps, 3 stages spill nothing:
 # 575 us (best of 11). bf16: 64-token chunks, E-tile 32 (256 programs), 4
-# warps: 2 stages 157-169 us, 3 stages 122.8-134.8 us (session 3; Nsight
-# Compute put 21% of the 2-stage kernel's stall samples on the wait for the
-# next chunk's loads). 3 stages need 114688 bytes of shared memory, just under
-# two programs per SM: the per-block state store inside the loop is split in
-# register parts to fit (kernels._store_state_parts). fp32 was bound by shared
-# memory traffic instead (Nsight Compute, before the state product's bf16 split:
-# L1/shared 79% busy, LDS/LDSM 46% of stall samples: the tf32 operands go
+# warps: 2 stages 157-169 us, 3 stages 122.8-134.8 us (2026-11-21, commit
+# 2a99d61; Nsight Compute put 21% of the 2-stage kernel's stall samples on the
+# wait for the next chunk's loads). 3 stages need 114688 bytes of shared memory,
+# just under two programs per SM: the per-block state store inside the loop is
+# split in register parts to fit (kernels._store_state_parts). fp32 was bound by
+# shared memory traffic instead (Nsight Compute, before the state product's bf16
+# split: L1/shared 79% busy, LDS/LDSM 46% of stall samples: the tf32 operands go
 # through shared memory as 32-bit loads), and more stages did not help it
 # (529-540 us; 422-430 us after the split).
 # The whole of E in one program (E-tile 128: no redundant q k^T per E-tile)
@@ -50,29 +99,117 @@ BLOCK_T = {"bfloat16": 64, "float16": 32, "float32": 32}
 BLOCK_E = {"bfloat16": 32, "float16": 64, "float32": 64}
 NUM_WARPS = {"bfloat16": 4, "float16": 8, "float32": 8}
 NUM_STAGES = {"bfloat16": 3, "float16": 3, "float32": 3}
-# Below MIN_PROGRAMS (b, h, E-tile) programs the sequence is cut into segments
-# (whole state blocks, at least MIN_SEGMENT_CHUNKS chunks) so that about
-# SEGMENT_TARGET programs run. Segments hand their end states on through
-# memory (a chained scan); each reads its k and v twice, the second time
-# mostly from L2.
-MIN_PROGRAMS = 128
-SEGMENT_TARGET = 256
+# NOTE: grid sizes were tuned on the H200's 132 SMs as program counts:
+# MIN_PROGRAMS = 128 (fewer: segments, and bf16 keeps E-tile 32),
+# SEGMENT_TARGET = 256 (Triton kernel), GLUON_SEGMENT_TARGET = 128 and
+# GLUON_ONE_WAVE = 132 (Gluon kernels). They are now expressions of
+# target.num_sms that give those values at 132 SMs (for other SM counts the
+# expression is a rule, not a measurement): a grid of _full_wave programs,
+# every SM busy but 1/WAVE_IDLE_FRACTION of them (128 of 132: B=1, H=64 at
+# E-tile 64), fills the GPU. Below it the sequence is cut into segments (whole
+# state blocks, at least MIN_SEGMENT_CHUNKS chunks) so that about
+# SEGMENT_WAVES full waves of programs run (GLUON_SEGMENT_WAVES for the Gluon
+# kernels, see their NOTE). Segments hand their end states on through memory
+# (a chained scan); each reads its k and v twice, the second time mostly from L2.
+WAVE_IDLE_FRACTION = 32
+SEGMENT_WAVES = 2
 MIN_SEGMENT_CHUNKS = 4
 
 
-def _align(*values):
-    """The largest power of two <= 16 dividing every value (0 divides nothing off)."""
-    for a in (16, 8, 4, 2):
-        if all(int(x) % a == 0 for x in values):
-            return a
-    return 1
+def _full_wave(target: Target) -> int:
+    return target.num_sms - target.num_sms // WAVE_IDLE_FRACTION
 
 
-def _token_offsets_fit_int32(q, k, v) -> bool:
-    """Token-row offsets within one (b, h) slice of q, k, v and the contiguous
-    output fit in int32 (both prefill kernels then skip 64-bit address math)."""
-    n, e = q.shape[2], v.shape[3]
-    return max((n - 1) * abs(x.strides[2]) + x.shape[3] for x in (q, k, v)) < 2 ** 31 and n * e < 2 ** 31
+def _num_segments(target, programs, waves, num_chunks, max_segments) -> int:
+    """The default segment count: 1 when ``programs`` fill the GPU, else about
+    ``waves`` full waves of programs, segments of >= MIN_SEGMENT_CHUNKS chunks."""
+    if programs >= _full_wave(target):
+        return 1
+    return min(cdiv(waves * _full_wave(target), programs), max(1, num_chunks // MIN_SEGMENT_CHUNKS),
+               max_segments)
+
+
+def _split(units: int, segments: int) -> tuple[int, int]:
+    """(units per segment, segments) for ``segments`` requested over ``units``."""
+    per = cdiv(units, max(1, min(int(segments), units)))
+    return per, cdiv(units, per)
+
+
+def prefill_state_shape(b, h, n, d, e, block_size, output_final_state_only):
+    """Shape of the returned kv: [B, H, D, E] or [B, H, NB + 1, D, E]."""
+    if output_final_state_only:
+        return (b, h, d, e)
+    return (b, h, cdiv(n, block_size) + 1, d, e)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prefill:
+    q: ArrayInfo
+    k: ArrayInfo
+    v: ArrayInfo
+    ed: ArrayInfo
+    kv_history: ArrayInfo | None
+    b: int
+    h: int
+    n: int
+    d: int
+    e: int
+    dtype: str
+    block_size: int
+    final_only: bool
+    offs_32: bool  # token-row offsets within one (b, h) slice fit in int32
+
+    @property
+    def block_d(self) -> int:
+        return max(16, next_pow2(self.d))
+
+    @property
+    def kv_shape(self) -> tuple:
+        return prefill_state_shape(self.b, self.h, self.n, self.d, self.e, self.block_size, self.final_only)
+
+    def buffers(self, seg_state: tuple | None = None, segments: int = 1, programs: int = 0) -> dict:
+        """output and kv; with ``seg_state`` also the chained scan's published
+        states and its ticket counter followed by one ready flag per program
+        (zeroed when segmented)."""
+        out = {"output": Buffer((self.b, self.h, self.n, self.e), self.dtype),
+               "kv": Buffer(self.kv_shape, "float32")}
+        if seg_state is not None:
+            sync = (1 + segments * programs,) if segments > 1 else (1,)
+            out.update(seg_state=Buffer(seg_state, "float32"),
+                       sync=Buffer(sync, "int32", zero_init=segments > 1))
+        return out
+
+
+PREFILL_RESULTS = ("output", "kv")
+
+
+@memoize
+def plan_lightning_attention(
+    target: Target, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, ed: ArrayInfo,
+    kv_history: ArrayInfo | None = None, *, block_size: int = 256,
+    output_final_state_only: bool = False,
+    config: LightningTritonConfig | LightningGluonConfig | None = None,
+) -> Plan:
+    """Plan lightning-attention prefill.
+
+    Arrays: q, k [B, H, N, D], v [B, H, N, E] (one float dtype, innermost dim
+    contiguous), ed [H] or [H, 1, 1] fp32, kv_history [B, H, D, E] fp32 or None
+    (read only). Results: "output" [B, H, N, E] (q dtype) and "kv": the final
+    state [B, H, D, E] when output_final_state_only, else [B, H, NB + 1, D, E]
+    with kv[:, :, i] the state before token i * block_size.
+    The Gluon kernels run where they apply (see _gluon_unfit), else the Triton
+    kernel. ``config``: a LightningTritonConfig forces the Triton kernel, a
+    LightningGluonConfig the Gluon ones (ValueError where they do not apply).
+    """
+    check_config(config, (LightningTritonConfig, LightningGluonConfig))
+    p = _validate_prefill(q, k, v, ed, kv_history, block_size, output_final_state_only)
+    if p.b == 0 or p.h == 0:
+        return Plan(p.buffers(), (), PREFILL_RESULTS)
+    if _use_gluon(target, p, config):
+        buffers, launch = _gluon_launch(p, _gluon_config(target, p, config))
+    else:
+        buffers, launch = _triton_launch(target, p, _triton_config(target, p, config))
+    return Plan(buffers, (launch,), PREFILL_RESULTS)
 
 
 def _check_decay(name, info, h):
@@ -86,32 +223,7 @@ def _check_head(name, size):
         raise ValueError(f"{name}: head size {size} is not in [1, {MAX_HEAD_SIZE}]")
 
 
-def prefill_state_shape(b, h, n, d, e, block_size, output_final_state_only):
-    """Shape of the returned kv: [B, H, D, E] or [B, H, NB + 1, D, E]."""
-    if output_final_state_only:
-        return (b, h, d, e)
-    return (b, h, cdiv(n, block_size) + 1, d, e)
-
-
-@memoize
-def plan_lightning_attention(
-    q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, ed: ArrayInfo, kv_history: ArrayInfo | None = None,
-    *, block_size: int = 256, output_final_state_only: bool = False,
-    block_t: int | None = None, block_e: int | None = None, num_segments: int | None = None,
-    num_warps: int | None = None, num_stages: int | None = None,
-    dot_precision: str = DEFAULT_DOT_PRECISION, use_gluon: bool | None = None,
-) -> Plan:
-    """Plan lightning-attention prefill.
-
-    Arrays: q, k [B, H, N, D], v [B, H, N, E] (one float dtype, innermost dim
-    contiguous), ed [H] or [H, 1, 1] fp32, kv_history [B, H, D, E] fp32 or None
-    (read only). Results: "output" [B, H, N, E] (q dtype) and "kv": the final
-    state [B, H, D, E] when output_final_state_only, else [B, H, NB + 1, D, E]
-    with kv[:, :, i] the state before token i * block_size.
-    block_t / block_e / num_segments / num_warps / num_stages / dot_precision
-    override the tuning (benchmarks and tests). use_gluon: None picks the Gluon
-    kernel (gluon_kernels.py) wherever it applies, False never, True requires it.
-    """
+def _validate_prefill(q, k, v, ed, kv_history, block_size, final_only) -> _Prefill:
     check_ndim("q", q, 4, "[B, H, N, D]")
     check_dtype("q", q, FLOAT_DTYPES)
     b, h, n, d = q.shape
@@ -135,28 +247,32 @@ def plan_lightning_attention(
         raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
     if n < 1:
         raise ValueError(f"q: the sequence length N must be >= 1, got shape {tuple(q.shape)}")
-    if dot_precision not in DOT_PRECISIONS:
-        raise ValueError(f"dot_precision: expected one of {DOT_PRECISIONS}, got {dot_precision!r}")
-    block_size = int(block_size)
+    # both prefill kernels skip 64-bit address math where the token-row offsets
+    # within one (b, h) slice of q, k, v and the contiguous output fit in int32
+    offs_32 = (max((n - 1) * abs(x.strides[2]) + x.shape[3] for x in (q, k, v)) < 2 ** 31
+               and n * e < 2 ** 31)
+    return _Prefill(q, k, v, ed, kv_history, b, h, n, d, e, q.dtype, int(block_size), bool(final_only),
+                    offs_32)
 
-    kv_shape = prefill_state_shape(b, h, n, d, e, block_size, output_final_state_only)
-    buffers = {"output": Buffer((b, h, n, e), q.dtype), "kv": Buffer(kv_shape, "float32")}
-    results = ("output", "kv")
-    if b == 0 or h == 0:
-        return Plan(buffers, (), results)
-    overrides = (block_t, block_e, num_warps, num_stages)
-    gluon_ok = _gluon_applies(q, k, v, kv_history, block_size, output_final_state_only, dot_precision)
-    if use_gluon and not gluon_ok:
-        raise ValueError("use_gluon=True: the Gluon kernel does not apply to these arguments "
-                         "(bf16 or fp32 with tf32 products, D=128, E and N multiples of 64, "
-                         "a GPU)")
-    if gluon_ok and (use_gluon or (use_gluon is None and all(x is None for x in overrides))):
-        return _gluon_plan(q, k, v, ed, kv_history, block_size, output_final_state_only, num_segments,
-                           buffers, results)
 
-    block_d = max(16, next_pow2(d))
-    if (block_e is None and q.dtype == "bfloat16" and d == block_d <= 128 and e % 64 == 0
-            and b * h * (e // 64) >= MIN_PROGRAMS):
+# ---------------------------------------------------------------- Triton prefill
+def _chunking(p: _Prefill, block_t: int) -> tuple[int, int, int, int]:
+    """(block_len, chunks per block, blocks, chunks) of the Triton kernel's chunk layout."""
+    if p.final_only:  # block_size is irrelevant: one chunk per "block"
+        block_len, chunks = block_t, 1
+    else:
+        block_len, chunks = p.block_size, cdiv(p.block_size, block_t)
+    num_blocks = cdiv(p.n, block_len)
+    tail = p.n - (num_blocks - 1) * block_len
+    return block_len, chunks, num_blocks, (num_blocks - 1) * chunks + cdiv(tail, block_t)
+
+
+def _triton_config(target: Target, p: _Prefill, override) -> LightningTritonConfig:
+    """The Triton kernel's config from the tables above, ``override``'s fields first."""
+    o = override or LightningTritonConfig()
+    block_e, small_d = o.block_e, p.block_d <= 128
+    if (block_e is None and p.dtype == "bfloat16" and p.d == p.block_d <= 128 and p.e % 64 == 0
+            and p.b * p.h * (p.e // 64) >= _full_wave(target)):
         # NOTE: enough (b, h) pairs to fill the GPU with E-tile 64 (one program
         # per SM): half the redundant q k^T and q/k reads of E-tile 32. H200,
         # B=1, H=64, N=4096, 3 stages: 126.6 vs 128.1 us with per-block states,
@@ -164,237 +280,275 @@ def plan_lightning_attention(
         # 117.2 vs 132.6 us. With fewer pairs, E-tile 32 gives the chained scan
         # twice the programs (H=8, N=65536: 373 vs 400 us with states).
         block_e = 64
-    block_e = block_e or min(BLOCK_E[q.dtype] if block_d <= 128 else 32, max(16, next_pow2(e)))
+    block_e = block_e or min(BLOCK_E[p.dtype] if small_d else 32, max(16, next_pow2(p.e)))
+    block_t = o.block_t or (BLOCK_T[p.dtype] if small_d else 32)
+    if not p.final_only:
+        block_t = min(block_t, max(16, next_pow2(p.block_size)))
+    _, _, num_blocks, num_chunks = _chunking(p, block_t)
+    programs = p.b * p.h * cdiv(p.e, block_e)
+    segments = o.num_segments
+    if segments is None:
+        segments = _num_segments(target, programs, SEGMENT_WAVES, num_chunks, num_blocks)
+    return LightningTritonConfig(block_t, block_e, o.num_warps or NUM_WARPS[p.dtype],
+                                 o.num_stages or NUM_STAGES[p.dtype], _split(num_blocks, segments)[1],
+                                 o.dot_precision)
+
+
+def _aligned(names: str, values) -> dict:
+    """Launch params of strides in alignment group ALIGN (core_kernels._triton_utils.jit)."""
+    return {n: Scalar(int(x), align="ALIGN") for n, x in zip(names.split(), values)}
+
+
+def _triton_launch(target: Target, p: _Prefill, c: LightningTritonConfig):
+    block_len, chunks, num_blocks, num_chunks = _chunking(p, c.block_t)
+    n_e = cdiv(p.e, c.block_e)
+    programs = p.b * p.h * n_e
+    blocks_per_seg, segments = _split(num_blocks, c.num_segments)
+    segmented, publish_in_kv = segments > 1, segments > 1 and not p.final_only
+    kv = row_major_strides(p.kv_shape)
+    kv = kv[:2] + (0, kv[2]) if p.final_only else kv[:4]
+    # where segments publish their end states: the returned per-block states
+    # (segment p's end state is the state before its successor's first block)
+    # or a scratch buffer
+    seg_state = (p.b, p.h, segments, p.d, p.e) if segmented and not publish_in_kv else (1,)
+    pub = ((kv[0], kv[1], blocks_per_seg * kv[2], kv[3]) if publish_in_kv else
+           row_major_strides(seg_state)[:4] if segmented else (0, 0, 0, 0))
+    hist = p.kv_history.strides[:3] if p.kv_history is not None else (0, 0, 0)
+    even_d, even_e = p.d == p.block_d, p.e % c.block_e == 0
     # NOTE: bf16 MMA operands with a masked (non-power-of-two) D or E tile gave wrong
     # results and once an illegal address on the H200 (torch launch, D=48/E=80,
     # D=96/E=64; cause not found). Those shapes use fp32 (tf32) operands instead,
     # the path every fp32/fp16 input takes and that passed there.
-    num_warps = num_warps or NUM_WARPS[q.dtype]
-    block_t = block_t or (BLOCK_T[q.dtype] if block_d <= 128 else 32)
-    num_stages = num_stages or NUM_STAGES[q.dtype]
-    if output_final_state_only:  # block_size is irrelevant: one chunk per "block"
-        block_len, chunks = block_t, 1
-    else:
-        block_t = min(block_t, max(16, next_pow2(block_size)))
-        block_len, chunks = block_size, cdiv(block_size, block_t)
-    num_blocks = cdiv(n, block_len)
-    tail = n - (num_blocks - 1) * block_len
-    num_chunks = (num_blocks - 1) * chunks + cdiv(tail, block_t)
-    n_e = cdiv(e, block_e)
-
-    programs = b * h * n_e
-    if num_segments is None:
-        num_segments = 1
-        if programs < MIN_PROGRAMS:
-            max_segments = max(1, num_chunks // MIN_SEGMENT_CHUNKS)
-            num_segments = min(cdiv(SEGMENT_TARGET, programs), max_segments, num_blocks)
-    blocks_per_seg = cdiv(num_blocks, max(1, min(int(num_segments), num_blocks)))
-    num_segments = cdiv(num_blocks, blocks_per_seg)
-    segmented = num_segments > 1
-    publish_in_kv = segmented and not output_final_state_only
-
-    has_hist = kv_history is not None
-    hist = "kv_history" if has_hist else "ed"  # dummy pointer when absent
-    hist_strides = kv_history.strides[:3] if has_hist else (0, 0, 0)
-    out_strides = ArrayInfo.contiguous((b, h, n, e), q.dtype).strides[:3]
-    kv_strides = ArrayInfo.contiguous(kv_shape, "float32").strides
-    kv_strides = kv_strides[:2] + (0, kv_strides[2]) if output_final_state_only else kv_strides[:4]
-    # where segments publish their end states: the returned per-block states
-    # (segment p's end state is the state before its successor's first block)
-    # or a scratch buffer
-    if publish_in_kv:
-        pub_strides = (kv_strides[0], kv_strides[1], blocks_per_seg * kv_strides[2], kv_strides[3])
-        buffers["seg_state"] = Buffer((1,), "float32")  # unused
-    elif segmented:
-        pub_strides = ArrayInfo.contiguous((b, h, num_segments, d, e), "float32").strides[:4]
-        buffers["seg_state"] = Buffer((b, h, num_segments, d, e), "float32")
-    else:
-        pub_strides = (0, 0, 0, 0)
-        buffers["seg_state"] = Buffer((1,), "float32")  # unused
-    # ticket counter, then one ready flag per program
-    buffers["sync"] = Buffer((1 + num_segments * programs,) if segmented else (1,), "int32",
-                             zero_init=segmented)
-    strides = q.strides[:3] + k.strides[:3] + v.strides[:3] + out_strides + hist_strides
-    align = _align(*strides, *pub_strides, *kv_strides)
-    a = lambda xs: tuple(Scalar(x // align) for x in xs)  # noqa: E731
-    even_d, even_e = d == block_d, e % block_e == 0
-    even_tiles = even_d and even_e
-    dot_bf16 = q.dtype == "bfloat16" and even_tiles
+    dot_bf16 = p.dtype == "bfloat16" and even_d and even_e
     launch = Launch(
-        _lightning_prefill_kernel, (num_segments * programs,),
-        ("q", "k", "v", "ed", hist, Scalar(h), Scalar(b), Scalar(n), Scalar(d), Scalar(e),
-         Scalar(block_len), Scalar(num_blocks), Scalar(num_chunks), Scalar(blocks_per_seg),
-         Scalar(ed.strides[0]), *a(strides), *a(pub_strides), *a(kv_strides)),
-        ("output", "kv", "seg_state", "sync"),
-        dict(BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_E=block_e, CHUNKS=chunks, N_E=n_e,
-             EVEN_D=even_d, EVEN_E=even_e, HAS_HISTORY=has_hist,
-             STORE_BLOCK_STATES=not output_final_state_only, PUBLISH_IN_KV=publish_in_kv,
-             SEGMENTED=segmented,
-             DOT_BF16=dot_bf16,
-             # fp32 / fp16: the state product from bf16 hi/lo pairs (kernels._state_product);
-             # whole tiles only (see the NOTE above on masked bf16 operands). Not under
-             # the interpreter (CPU), whose bf16 tl.dot returns garbage (Triton 3.6) and
-             # whose fp32 products are exact anyway: the split is tested on the GPU.
-             SPLIT_STATE=(not dot_bf16 and even_tiles and dot_precision == "tf32"
-                          and not interpret_requested()),
-             DOT_PRECISION=dot_precision, ALIGN=align,
-             OFFS_64=not _token_offsets_fit_int32(q, k, v),
-             # segments' first pass (state products only): twice the chunk, 2 stages (bf16;
-             # fp32's split products spilled at twice the chunk)
-             P1_T=2 * block_t if dot_bf16 else block_t, P1_STAGES=2),
-        num_warps=num_warps, num_stages=num_stages)
-    return Plan(buffers, (launch,), results)
+        kernel=_lightning_prefill_kernel, grid=(segments * programs,),
+        params=dict(
+            q_ptr="q", k_ptr="k", v_ptr="v", decay_ptr="ed",
+            history_ptr="kv_history" if p.kv_history is not None else "ed",  # dummy when absent
+            num_heads=Scalar(p.h), num_rows=Scalar(p.b), seq_len=Scalar(p.n), head_k=Scalar(p.d),
+            head_v=Scalar(p.e), block_len=Scalar(block_len), num_blocks=Scalar(num_blocks),
+            num_chunks=Scalar(num_chunks), blocks_per_seg=Scalar(blocks_per_seg),
+            stride_decay=Scalar(p.ed.strides[0]),
+            **_aligned("stride_qb stride_qh stride_qt", p.q.strides[:3]),
+            **_aligned("stride_kb stride_kh stride_kt", p.k.strides[:3]),
+            **_aligned("stride_vb stride_vh stride_vt", p.v.strides[:3]),
+            **_aligned("stride_ob stride_oh stride_ot", row_major_strides((p.b, p.h, p.n, p.e))[:3]),
+            **_aligned("stride_hb stride_hh stride_hd", hist),
+            **_aligned("stride_pb stride_ph stride_pp stride_pd", pub),
+            **_aligned("stride_kvb stride_kvh stride_kvi stride_kvd", kv),
+            o_ptr="output", kv_ptr="kv", pub_ptr="seg_state", sync_ptr="sync"),
+        writes=("o_ptr", "kv_ptr", "pub_ptr", "sync_ptr"),
+        constexprs=dict(
+            BLOCK_T=c.block_t, BLOCK_D=p.block_d, BLOCK_E=c.block_e, CHUNKS=chunks, N_E=n_e,
+            EVEN_D=even_d, EVEN_E=even_e, HAS_HISTORY=p.kv_history is not None,
+            STORE_BLOCK_STATES=not p.final_only, PUBLISH_IN_KV=publish_in_kv, SEGMENTED=segmented,
+            DOT_BF16=dot_bf16,
+            # fp32 / fp16: the state product from bf16 hi/lo pairs (kernels._state_product);
+            # whole tiles only (see the NOTE above on masked bf16 operands). Not under
+            # the interpreter (CPU), whose bf16 tl.dot returns garbage (Triton 3.6) and
+            # whose fp32 products are exact anyway: the split is tested on the GPU.
+            SPLIT_STATE=(not dot_bf16 and even_d and even_e and c.dot_precision == "tf32"
+                         and not target.interpret),
+            DOT_PRECISION=c.dot_precision, OFFS_64=not p.offs_32,
+            # segments' first pass (state products only): twice the chunk, 2 stages (bf16;
+            # fp32's split products spilled at twice the chunk)
+            P1_T=2 * c.block_t if dot_bf16 else c.block_t, P1_STAGES=2),
+        num_warps=c.num_warps, num_stages=c.num_stages)
+    return p.buffers(seg_state, segments, programs), launch
 
 
+# ---------------------------------------------------------------- Gluon prefill
 # NOTE: the Gluon prefills (gluon_kernels.py) issue each chunk's products as
 # asynchronous wgmma with explicit waits, which Triton 3.6's tl.dot cannot. H200,
 # B=1, H=64, N=4096, per-block states: bf16 99.9 us (1.25x the byte floor; the
 # prototype 101.9) against 126.9 us for kernels.py, final state only 87.0 vs
 # 108.9 us; fp32 (tf32 products) 214.5 vs 421.7 us, 194.9 us warp-specialised
-# (session 7, see GLUON_TF32_WS_REGS) (benchmarks/RESULTS.md,
-# results/experiments/exp_lightning_gluon*.json). Their scope is below;
+# (2026-11-21, commit fdeac68; see GLUON_TF32_WS_REGS) (benchmarks/RESULTS.md,
+# results/experiments/exp_lightning_gluon*.json). Their scope is _gluon_unfit's;
 # everything else runs kernels.py.
 GLUON_T = 64
 GLUON_BE = 64
 # load ring depth: 4 x 40 KB of bf16 chunks; fp32 chunks are 80 KB and, with
 # the transposed copies of the state and v, only 2 fit in shared memory.
 # Pulling 1-3 further chunks into L2 (prefetch.global.L2) was 4-10% slower for
-# both dtypes on the H200 (results/experiments/exp_lightning_gluon_prefetch.json).
+# both dtypes on the H200 (2026-11-21, commit e56c55f;
+# results/experiments/exp_lightning_gluon_prefetch.json).
 GLUON_STAGES = {"bfloat16": 4, "float32": 2}
-# More bf16 programs than one wave (one per SM, GLUON_ONE_WAVE on the H200): a
-# 2-deep ring (112 KB of shared memory) fits two programs per SM, and each
-# program's start (first loads, decays) and end (last stores) then overlap the
-# other's loop. H200, B=4, H=64, N=1024 (512 programs): with per-block states
-# 110.5 -> 106.6 us, final state only 96.7 -> 86.0 us. Within one wave it is
-# slower: B=1, H=64, N=4096 (128 programs) 100.8 -> 110.2 us, and the chained
-# scan of B=1, H=8, N=65536 (8 segments x 16 programs) 282.5 -> 319.7 us
-# (results/experiments/exp_lightning_gluon_stages2.json,
+# More bf16 programs than one wave (one per SM: more than target.num_sms, 132 on
+# the H200): a 2-deep ring (112 KB of shared memory) fits two programs per SM,
+# and each program's start (first loads, decays) and end (last stores) then
+# overlap the other's loop. H200, B=4, H=64, N=1024 (512 programs): with
+# per-block states 110.5 -> 106.6 us, final state only 96.7 -> 86.0 us. Within
+# one wave it is slower: B=1, H=64, N=4096 (128 programs) 100.8 -> 110.2 us,
+# and the chained scan of B=1, H=8, N=65536 (8 segments x 16 programs) 282.5 ->
+# 319.7 us (2026-11-21, commit 800090f; results/experiments/exp_lightning_gluon_stages2.json,
 # exp_lightning_gluon_segment_groups_stages2.json).
-GLUON_ONE_WAVE = 132
 GLUON_STAGES_MANY = {"bfloat16": 2, "float32": 2}
-# one program per SM (shared memory): segments for about one wave of programs.
+# one program per SM (shared memory): segments for about one full wave of
+# programs (_full_wave: 128 on the H200).
 # More, shorter segments (waves whose k, v re-reads could hit L2) are slower:
 # H200 B1 H8 N65536 bf16 with states, 8/16/32/64/128 segments per (b, h, E-tile):
 # 283/295/311/333/361 us; fp32 632/639/692/706/726 us (the hand-over chain grows;
-# results/experiments/exp_lightning_gluon_segment_sweep.json).
-# Session 6, measured and not kept: a scan over groups of segments, where every
-# segment publishes its own contribution and only the groups' end states are
-# chained (summed in a fixed order, so still deterministic;
-# benchmarks/experiments/rejected/gluon_segment_groups.diff). Same shape, groups
-# of 1/2/4/8: 8 segments bf16 279.6/276.8/279.4/277.6 us, 128 segments
-# 360.5/352.5/396.0/499.2 us, 256 segments 630-660 us; fp32 slower for any
-# group > 1 (ptxas spills in the loop: 8 segments 627.7 vs 739-747 us). A short
-# segment's program pays several dependent memory round trips (ticket, first
-# loads, the publishing fence, the hand-over) that one program per SM cannot
-# hide, and two per SM (the 2-deep ring) were slower at every segment count
-# (results/experiments/exp_lightning_gluon_segment_groups*.json).
-# Session 8 (same shape, bf16 / fp32, per-block states / final state only):
-# a segment's own sum now reads its chunks last to first (_segment_sum), so the
-# main loop's first chunks may still be in L2: 279.7 -> 275.2, 257.0 -> 253.3,
-# 561.5 -> 553.5, 538.6 -> 532.1 us (exp_lightning_gluon_head_start.json). With
-# it, 6/8/12/16 segments: bf16 states 343/277/370/288 us, fp32 final
-# 677/537/689/539 us; 8 stays (exp_lightning_gluon_reverse_segments.json).
-# Measured and not kept, a head start (rejected/gluon_head_start.diff): segment
-# 0 half as long, skipping its own sum (its start state is known) and
-# publishing its true end state after its loop, plus one more segment started
-# in the SM it frees, so (P-1)/(P+1/2) of the sequence is re-read instead of
-# (P-1)/P. Bit-identical results, but slower: 291.5 / 261.6 / 572.1 / 543.5 us
-# against 279.7 / 257.0 / 561.5 / 538.6. It saves only ~2% of the bytes (the
-# GPU's bandwidth is shared, so shorter segments do not shorten the others),
-# and the late programs' start and ramp cost more than that.
-GLUON_SEGMENT_TARGET = 128
-# fp32 kernel (_gluon_prefill_tf32_kernel), session 7: warp-specialised. A state
-# warpgroup (loads, the transposed copies of v and S, the state update) and an
-# output warpgroup (q k^T, q S, P v) run side by side, handing ring slots and
-# copies over through mbarriers; v is read back for its transposed copy without
-# the duplicate reads of the earlier layout (whose tile was twice E-tile wide).
+# 2026-11-21, commit e56c55f; results/experiments/exp_lightning_gluon_segment_sweep.json).
+# Measured and not kept (2026-11-21, commit 800090f): a scan over groups of
+# segments, where every segment publishes its own contribution and only the
+# groups' end states are chained (summed in a fixed order, so still
+# deterministic; git keeps the patch: commit 23f9d41,
+# benchmarks/experiments/rejected/gluon_segment_groups.diff, applies there).
+# Same shape, groups of 1/2/4/8: 8 segments bf16 279.6/276.8/279.4/277.6 us,
+# 128 segments 360.5/352.5/396.0/499.2 us, 256 segments 630-660 us; fp32 slower
+# for any group > 1 (ptxas spills in the loop: 8 segments 627.7 vs 739-747 us).
+# A short segment's program pays several dependent memory round trips (ticket,
+# first loads, the publishing fence, the hand-over) that one program per SM
+# cannot hide, and two per SM (the 2-deep ring) were slower at every segment
+# count (results/experiments/exp_lightning_gluon_segment_groups*.json).
+# 2026-11-21, commit 3cc5048 (same shape, bf16 / fp32, per-block states / final
+# state only): a segment's own sum now reads its chunks last to first
+# (_segment_sum), so the main loop's first chunks may still be in L2: 279.7 ->
+# 275.2, 257.0 -> 253.3, 561.5 -> 553.5, 538.6 -> 532.1 us
+# (exp_lightning_gluon_head_start.json). With it, 6/8/12/16 segments: bf16
+# states 343/277/370/288 us, fp32 final 677/537/689/539 us; 8 stays
+# (exp_lightning_gluon_reverse_segments.json).
+# Measured and not kept, a head start (same commit; git keeps the patch: commit
+# 3cc5048, benchmarks/experiments/rejected/gluon_head_start.diff, applies to
+# dd16c74): segment 0 half as long, skipping its own sum (its start state is
+# known) and publishing its true end state after its loop, plus one more
+# segment started in the SM it frees, so (P-1)/(P+1/2) of the sequence is
+# re-read instead of (P-1)/P. Bit-identical results, but slower: 291.5 / 261.6
+# / 572.1 / 543.5 us against 279.7 / 257.0 / 561.5 / 538.6. It saves only ~2% of
+# the bytes (the GPU's bandwidth is shared, so shorter segments do not shorten
+# the others), and the late programs' start and ramp cost more than that.
+GLUON_SEGMENT_WAVES = 1
+# fp32 kernel (_gluon_prefill_tf32_kernel), 2026-11-21, commit fdeac68:
+# warp-specialised. A state warpgroup (loads, the transposed copies of v and S,
+# the state update) and an output warpgroup (q k^T, q S, P v) run side by side,
+# handing ring slots and copies over through mbarriers; v is read back for its
+# transposed copy without the duplicate reads of the earlier layout (whose tile
+# was twice E-tile wide).
 # H200 (copy 4.25 TB/s), single-warpgroup kernel -> warp-specialised ->
 # + the v layout, per-block states / final state only: B=1, H=64, N=4096
 # 216.5/206.0 -> 205.8/194.4 -> 194.5/183.0 us; B=4, H=64, N=1024
 # 223.8/216.0 -> 216.4/203.0 -> 207.9/191.9 us; B=1, H=8, N=65536 629.2/600.5 ->
 # 609.2/584.3 -> 586.2/560.0 us. Same products: the per-block states' relative
 # difference to the Triton kernel is the single-warpgroup kernel's to every printed
-# digit; outputs agree to rounding (the q decay is now one ex2.approx). WS_REGS (the output warpgroup's registers) 232 vs 240: within 1%.
-# Measured and not kept (results/experiments/exp_lightning_gluon_tf32_warps8.json,
+# digit; outputs agree to rounding (the q decay is now one ex2.approx). WS_REGS (the
+# output warpgroup's registers) 232 vs 240: within 1%.
+# Measured and not kept (same commit; results/experiments/exp_lightning_gluon_tf32_warps8.json,
 # exp_lightning_gluon_tf32_ws*.json): two warpgroups in lockstep (8 warps
 # splitting every product; both read all of q and the whole v^T, P goes through
 # shared memory): 229.1/219.4 us at B1 N4096, slower than one; starting q k^T
 # before the copies of v and S are made (a second ready barrier): with the v
 # layout 191.6/180.1 us at B1 N4096 but 208.6/201.9 at B4 N1024 (vs 207.9/191.9).
-# Earlier single-warpgroup variants (sessions 4-5): P formed while the state
-# update runs, P through shared memory, decays from shared memory, q k^T with q S
-# as one N = 128 wgmma: none faster (exp_lightning_gluon_tf32_variants.json,
-# exp_lightning_gluon_{decay_smem,merged}.json).
+# Earlier single-warpgroup variants (2026-11-21, commits ca547bc and e56c55f): P
+# formed while the state update runs, P through shared memory, decays from shared
+# memory, q k^T with q S as one N = 128 wgmma: none faster
+# (exp_lightning_gluon_tf32_variants.json, exp_lightning_gluon_{decay_smem,merged}.json).
 GLUON_TF32_WS_REGS = 240
 
 
-def _gluon_applies(q, k, v, kv_history, block_size, output_final_state_only,
-                   dot_precision=DEFAULT_DOT_PRECISION) -> bool:
-    b, h, n, d = q.shape
-    e = v.shape[3]
-    if interpret_requested() or d != 128 or e % GLUON_BE or n % GLUON_T:
-        return False
-    if not (q.dtype == "bfloat16" or (q.dtype == "float32" and dot_precision == "tf32")):
-        return False
-    if not output_final_state_only and block_size % GLUON_T:
-        return False
-    elems = 16 // (4 if q.dtype == "float32" else 2)
-    if _align(q.strides[2], k.strides[2], v.strides[2]) < elems:  # 16-byte copies of token rows
-        return False
+def _gluon_unfit(target: Target, p: _Prefill) -> str | None:
+    """Why the Gluon kernels do not apply to ``p`` on ``target`` (None: they do)."""
+    if not (target.gluon and target.hopper and not target.interpret):
+        return f"the target {target} has no Gluon kernels (an sm_90 GPU with Gluon support)"
+    if p.dtype not in ("bfloat16", "float32"):
+        return f"dtype {p.dtype} (bf16 or fp32 only)"
+    if p.d != 128 or p.e % GLUON_BE or p.n % GLUON_T:
+        return f"D={p.d}, E={p.e}, N={p.n} (D = 128, E and N multiples of {GLUON_T})"
+    if not p.final_only and p.block_size % GLUON_T:
+        return f"block_size {p.block_size} (a multiple of {GLUON_T})"
+    elems = 16 // (4 if p.dtype == "float32" else 2)
+    if pow2_divisor(p.q.strides[2], p.k.strides[2], p.v.strides[2]) < elems:
+        return "q/k/v token rows not 16-byte aligned (their copies are 16 bytes wide)"
     # per-(b, h) offsets of the per-block states are int32 too
-    states = 1 if output_final_state_only else cdiv(n, block_size) + 1
-    return _token_offsets_fit_int32(q, k, v) and states * d * e < 2 ** 31
+    states = 1 if p.final_only else cdiv(p.n, p.block_size) + 1
+    if not (p.offs_32 and states * p.d * p.e < 2 ** 31):
+        return "per-(b, h) offsets beyond int32"
+    return None
 
 
-def _gluon_plan(q, k, v, ed, kv_history, block_size, output_final_state_only, num_segments,
-                buffers, results):
+def _use_gluon(target: Target, p: _Prefill, config) -> bool:
+    """The Gluon kernels where they apply, unless ``config`` picks the kernel."""
+    if isinstance(config, LightningTritonConfig):
+        return False
+    unfit = _gluon_unfit(target, p)
+    if unfit and isinstance(config, LightningGluonConfig):
+        raise ValueError(f"config: LightningGluonConfig does not apply here: {unfit}")
+    return unfit is None
+
+
+def _gluon_unit(p: _Prefill, stages: int) -> int:
+    """Chunks per segment unit: segments are whole state blocks (single chunks when
+    only the final state is kept) and start on ring slot 0 (slot = chunk % STAGES)."""
+    return int(np.lcm(1 if p.final_only else p.block_size // GLUON_T, stages))
+
+
+def _gluon_config(target: Target, p: _Prefill, override) -> LightningGluonConfig:
+    o = override or LightningGluonConfig()
+    programs = p.b * p.h * (p.e // GLUON_BE)
+    stages = o.stages or (GLUON_STAGES_MANY if programs > target.num_sms else GLUON_STAGES)[p.dtype]
+    if p.dtype == "float32" and stages != 2:
+        raise ValueError(f"config: stages={stages}; the fp32 Gluon kernel keeps a 2-deep load ring")
+    num_chunks = p.n // GLUON_T
+    units = cdiv(num_chunks, _gluon_unit(p, stages))
+    segments = o.num_segments
+    if segments is None:
+        segments = _num_segments(target, programs, GLUON_SEGMENT_WAVES, num_chunks, units)
+    return LightningGluonConfig(_split(units, segments)[1], stages)
+
+
+def _gluon_launch(p: _Prefill, c: LightningGluonConfig):
     from .gluon_kernels import _gluon_prefill_kernel, _gluon_prefill_tf32_kernel
-    b, h, n, d = q.shape
-    e = v.shape[3]
-    programs = b * h * (e // GLUON_BE)
-    num_chunks = n // GLUON_T
-    block_chunks = 0 if output_final_state_only else block_size // GLUON_T
-    stages = (GLUON_STAGES_MANY if programs > GLUON_ONE_WAVE else GLUON_STAGES)[q.dtype]
-    # segments are whole state blocks (single chunks when only the final state is
-    # kept) and start on a ring slot 0 (the kernels take chunk % STAGES as the slot)
-    unit = int(np.lcm(block_chunks or 1, stages))
-    num_units = cdiv(num_chunks, unit)
-    if num_segments is None:
-        num_segments = 1
-        if programs < MIN_PROGRAMS:
-            num_segments = min(cdiv(GLUON_SEGMENT_TARGET, programs),
-                               max(1, num_chunks // MIN_SEGMENT_CHUNKS), num_units)
-    seg_chunks = cdiv(num_units, max(1, min(int(num_segments), num_units))) * unit
-    num_segments = cdiv(num_chunks, seg_chunks)
-    segmented = num_segments > 1
-    buffers["seg_state"] = Buffer((b, h, num_segments, d, e) if segmented else (1,), "float32")
-    # ticket counter, then one ready flag per program
-    buffers["sync"] = Buffer((1 + num_segments * programs,) if segmented else (1,), "int32",
-                             zero_init=segmented)
-    has_hist = kv_history is not None
-    hist = "kv_history" if has_hist else "ed"  # dummy pointer when absent
-    hist_strides = kv_history.strides[:3] if has_hist else (0, 0, 0)
-    strides = q.strides[:2] + k.strides[:2] + v.strides[:2] + hist_strides
-    align = _align(*strides)
-    fp32 = q.dtype == "float32"
+    programs = p.b * p.h * (p.e // GLUON_BE)
+    unit = _gluon_unit(p, c.stages)
+    seg_units, segments = _split(cdiv(p.n // GLUON_T, unit), c.num_segments)
+    fp32 = p.dtype == "float32"
+    hist = p.kv_history.strides[:3] if p.kv_history is not None else (0, 0, 0)
     launch = Launch(
-        _gluon_prefill_tf32_kernel if fp32 else _gluon_prefill_kernel, (num_segments * programs,),
-        ("q", "k", "v", "ed", hist, Scalar(h), Scalar(b), Scalar(n), Scalar(seg_chunks),
-         Scalar(num_segments), Scalar(ed.strides[0]), *(Scalar(x // align) for x in strides)),
-        ("output", "kv", "seg_state", "sync"),
-        dict(T=GLUON_T, D=d, E=e, BE=GLUON_BE, STAGES=stages, BLOCK_CHUNKS=block_chunks,
-             HAS_HISTORY=has_hist, SEGMENTED=segmented, ALIGN=align,
-             STRIDE_QT=q.strides[2], STRIDE_KT=k.strides[2], STRIDE_VT=v.strides[2],
-             **(dict(WS_REGS=GLUON_TF32_WS_REGS) if fp32 else {})),
+        kernel=_gluon_prefill_tf32_kernel if fp32 else _gluon_prefill_kernel, grid=(segments * programs,),
+        params=dict(
+            q_ptr="q", k_ptr="k", v_ptr="v", decay_ptr="ed",
+            history_ptr="kv_history" if p.kv_history is not None else "ed",  # dummy when absent
+            num_heads=Scalar(p.h), num_rows=Scalar(p.b), seq_len=Scalar(p.n),
+            seg_chunks=Scalar(seg_units * unit), last_segment=Scalar(segments - 1),
+            stride_decay=Scalar(p.ed.strides[0]),
+            **_aligned("stride_qb stride_qh", p.q.strides[:2]),
+            **_aligned("stride_kb stride_kh", p.k.strides[:2]),
+            **_aligned("stride_vb stride_vh", p.v.strides[:2]),
+            **_aligned("stride_hb stride_hh stride_hd", hist),
+            o_ptr="output", kv_ptr="kv", pub_ptr="seg_state", sync_ptr="sync"),
+        writes=("o_ptr", "kv_ptr", "pub_ptr", "sync_ptr"),
+        constexprs=dict(T=GLUON_T, D=p.d, E=p.e, BE=GLUON_BE, STAGES=c.stages,
+                        BLOCK_CHUNKS=0 if p.final_only else p.block_size // GLUON_T,
+                        HAS_HISTORY=p.kv_history is not None, SEGMENTED=segments > 1,
+                        STRIDE_QT=p.q.strides[2], STRIDE_KT=p.k.strides[2], STRIDE_VT=p.v.strides[2],
+                        **(dict(WS_REGS=GLUON_TF32_WS_REGS) if fp32 else {})),
         # fp32: 4 warps compile the kernel; its worker partition adds 4 more at launch
         num_warps=4, num_stages=1)
-    return Plan(buffers, (launch,), results)
+    seg_state = (p.b, p.h, segments, p.d, p.e) if segments > 1 else (1,)
+    return p.buffers(seg_state, segments, programs), launch
+
+
+# ---------------------------------------------------------------- decode
+@dataclasses.dataclass(frozen=True)
+class _Decode:
+    q: ArrayInfo
+    k: ArrayInfo
+    v: ArrayInfo
+    kv_caches: ArrayInfo
+    slope_rate: ArrayInfo
+    b: int
+    h: int
+    d: int
+    e: int
+
+
+DECODE_RESULTS = ("output", "kv_caches")
 
 
 @memoize
-def plan_linear_decode(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, kv_caches: ArrayInfo,
-                       slope_rate: ArrayInfo, slot_idx: ArrayInfo, *, block_e: int | None = None,
-                       num_warps: int | None = None) -> Plan:
+def plan_linear_decode(target: Target, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo,
+                       kv_caches: ArrayInfo, slope_rate: ArrayInfo, slot_idx: ArrayInfo, *,
+                       config: LightningDecodeConfig | None = None) -> Plan:
     """Plan one lightning-attention decode step.
 
     Arrays: q, k [B, H, 1, D], v [B, H, 1, E] (one float dtype, innermost dim
@@ -402,7 +556,19 @@ def plan_linear_decode(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, kv_caches: Arra
     strides; updated in place: it is both an argument and a result),
     slope_rate [H] or [H, 1, 1] fp32, slot_idx [B] int32/int64 (-1 = padding).
     Results: "output" [B, H * E] (q dtype) and "kv_caches".
+    ``config`` overrides the tiling chosen from the table below.
     """
+    check_config(config, (LightningDecodeConfig,))
+    p = _validate_decode(q, k, v, kv_caches, slope_rate, slot_idx)
+    buffers = {"output": Buffer((p.b, p.h * p.e), q.dtype)}
+    if p.b == 0 or p.h == 0:
+        return Plan(buffers, (), DECODE_RESULTS)
+    config = config or LightningDecodeConfig(min(DECODE_BLOCK_E, max(16, next_pow2(p.e))),
+                                             DECODE_NUM_WARPS)
+    return Plan(buffers, (_decode_launch(p, config),), DECODE_RESULTS)
+
+
+def _validate_decode(q, k, v, kv_caches, slope_rate, slot_idx) -> _Decode:
     check_ndim("q", q, 4, "[B, H, 1, D]")
     check_dtype("q", q, FLOAT_DTYPES)
     b, h, one, d = q.shape
@@ -425,29 +591,7 @@ def plan_linear_decode(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, kv_caches: Arra
     _check_decay("slope_rate", slope_rate, h)
     check_shape("slot_idx", slot_idx, (b,), "[B]")
     check_dtype("slot_idx", slot_idx, INT_DTYPES)
-
-    buffers = {"output": Buffer((b, h * e), q.dtype)}
-    results = ("output", "kv_caches")
-    if b == 0 or h == 0:
-        return Plan(buffers, (), results)
-    block_d = max(16, next_pow2(d))
-    block_e = block_e or min(DECODE_BLOCK_E, max(16, next_pow2(e)))
-    num_warps = num_warps or DECODE_NUM_WARPS
-    strides = q.strides[:2] + k.strides[:2] + v.strides[:2] + kv_caches.strides[:3]
-    align = _align(*strides, h * e, e)
-    launch = Launch(
-        _lightning_decode_kernel, (cdiv(e, block_e), b * h),
-        ("q", "k", "v", "kv_caches", "slope_rate", "slot_idx",
-         Scalar(h), Scalar(kv_caches.shape[0]), Scalar(d), Scalar(e),
-         Scalar(slope_rate.strides[0]),
-         *(Scalar(x // align) for x in strides), Scalar(kv_caches.strides[3]),
-         Scalar(h * e // align), Scalar(e // align)),
-        ("output", "kv_caches"),
-        dict(BLOCK_D=block_d, BLOCK_E=block_e, EVEN_D=d == block_d, EVEN_E=e % block_e == 0,
-             ALIGN=align,
-             OFFS_64=abs(kv_caches.strides[2]) * d + abs(kv_caches.strides[3]) * e >= 2 ** 31),
-        num_warps=num_warps, num_stages=1)
-    return Plan(buffers, (launch,), results)
+    return _Decode(q, k, v, kv_caches, slope_rate, b, h, d, e)
 
 
 # NOTE: H200 sweeps, B=64, H=64, D=128 (three runs): E-tile 64 at 2/4/8 warps
@@ -457,6 +601,28 @@ def plan_linear_decode(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, kv_caches: Arra
 # loads software-pipelined (2, 4, 8 per program: -2% to -20%).
 DECODE_BLOCK_E = 64
 DECODE_NUM_WARPS = 4
+
+
+def _decode_launch(p: _Decode, c: LightningDecodeConfig) -> Launch:
+    block_d = max(16, next_pow2(p.d))
+    cache = p.kv_caches.strides
+    return Launch(
+        kernel=_lightning_decode_kernel, grid=(cdiv(p.e, c.block_e), p.b * p.h),
+        params=dict(
+            q_ptr="q", k_ptr="k", v_ptr="v", cache_in_ptr="kv_caches", decay_ptr="slope_rate",
+            slot_ptr="slot_idx", num_heads=Scalar(p.h), num_slots=Scalar(p.kv_caches.shape[0]),
+            head_k=Scalar(p.d), head_v=Scalar(p.e), stride_decay=Scalar(p.slope_rate.strides[0]),
+            **_aligned("stride_qb stride_qh", p.q.strides[:2]),
+            **_aligned("stride_kb stride_kh", p.k.strides[:2]),
+            **_aligned("stride_vb stride_vh", p.v.strides[:2]),
+            **_aligned("stride_cs stride_ch stride_cd", cache[:3]), stride_ce=Scalar(cache[3]),
+            **_aligned("stride_ob stride_oh", (p.h * p.e, p.e)),
+            out_ptr="output", cache_ptr="kv_caches"),
+        writes=("out_ptr", "cache_ptr"),
+        constexprs=dict(BLOCK_D=block_d, BLOCK_E=c.block_e, EVEN_D=p.d == block_d,
+                        EVEN_E=p.e % c.block_e == 0,
+                        OFFS_64=abs(cache[2]) * p.d + abs(cache[3]) * p.e >= 2 ** 31),
+        num_warps=c.num_warps, num_stages=1)
 
 
 def check_slot_ids(slot_idx: np.ndarray, num_slots: int) -> None:

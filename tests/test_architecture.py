@@ -4,6 +4,10 @@ import types
 
 import numpy as np
 import pytest
+
+# NOTE: core_kernels first: without a GPU it selects Triton's interpreter, which
+# must happen before triton.language is imported (its own helpers are decorated then)
+import core_kernels  # noqa: F401,I001
 import triton
 import triton.language as tl
 

@@ -86,9 +86,11 @@ def report(plan, dtypes: dict, arch: int = 90, dump_dir: str | None = None):
 
 if __name__ == "__main__":
     from core_kernels._plan import ArrayInfo
+    from core_kernels._target import Target
     from core_kernels.lightning_attention.plan import plan_lightning_attention
+    h200 = Target("cuda", 90, 132, gluon=True)
     for dt in ("float32", "bfloat16"):
         q = ArrayInfo.contiguous((1, 64, 4096, 128), dt)
         ed = ArrayInfo.contiguous((64,), "float32")
-        plan = plan_lightning_attention(q, q, q, ed)
+        plan = plan_lightning_attention(h200, q, q, q, ed)
         report(plan, {"q": dt, "k": dt, "v": dt, "ed": "float32"})

@@ -16,14 +16,23 @@ import numpy as np
 from benchmarks import timing
 from benchmarks.registry import PREFIX_PREFILL_MODEL, PREFIX_PREFILL_SHAPES
 
-COLUMNS = ["name", "config", "torch_us", "TFLOP/s", "%matmul", "vs_baseline", "jax_us",
-           "torch_pipe_us", "jax/torch", "bitwise", "max_err"]
+COLUMNS = ["name", "config", "torch_us", "TFLOP/s", "%matmul", "vs_baseline", "vs_standard",
+           "jax_us", "torch_pipe_us", "jax/torch", "bitwise", "max_err"]
 BASELINE_TFLOPS = 139.0
 # PrefixPrefillConfig fields (BLOCK_M, BLOCK_N, num_warps, num_stages, pack GQA heads,
 # prefetch block ids, gather the context into dense scratch first); the default
 # gathers when it pays
 SWEEP = [(128, 128, 8, 3, True, 1, False)]  # the paged path, for comparison
 SWEEP_SHAPES = ("B4-q1024-ctx4096-fp16", "B4-q1024-ctx4096-bf16-fp8kv")
+# vLLM 0.33's layouts next to the standard one (same shape; target: within 5% of
+# STANDARD's time): the V cache interleaved with x = 8, and the new tokens' K/V
+# read from the paged cache (k = v = None; the cache holds them)
+STANDARD = "B4-q1024-ctx4096-bf16"
+VLLM033_SHAPES = (
+    ("B4-q1024-ctx4096-bf16-interleaved-v", [(1024, 4096)] * 4, "bfloat16",
+     {"interleaved_v_pack_factor": 8}),
+    ("B4-q1024-ctx4096-bf16-cached-kv", [(1024, 4096)] * 4, "bfloat16", {"cache_kv": True}),
+)
 
 
 def useful_flops(seqs, hq, d, window=None):
@@ -47,7 +56,8 @@ def make_inputs(seqs, dtype, opts, seed=0):
     x = 16 // torch.tensor([], dtype=tdt).element_size()
     rnd = lambda *shape: torch.randn(*shape, device="cuda", generator=g, dtype=torch.float32)
     q, k, v = (rnd(t, h, d).to(tdt) for h in (hq, hkv, hkv))
-    nblk = [-(-c // bs) for _, c in seqs]
+    cache_kv = bool(opts.get("cache_kv"))
+    nblk = [-(-(c + (q if cache_kv else 0)) // bs) for q, c in seqs]
     num_blocks = max(1, sum(nblk))
     fp8 = opts.get("kv_cache_dtype", "auto") != "auto"
     cdt = torch.float8_e4m3fn if fp8 else tdt
@@ -64,7 +74,21 @@ def make_inputs(seqs, dtype, opts, seed=0):
     b_start = torch.zeros(len(seqs) + 1, dtype=torch.int32, device="cuda")
     b_start[1:] = torch.cumsum(qlens, 0)
     one = torch.ones(1, dtype=torch.float32, device="cuda")
-    return dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, b_loc=b_loc, b_start_loc=b_start,
+    if cache_kv:  # the new tokens' K/V at positions ctx .. ctx + q - 1 of the cache
+        s0 = 0
+        for i, (ql, c) in enumerate(seqs):
+            pos = torch.arange(c, c + ql, device="cuda")
+            blk, off = b_loc[i, pos // bs].long(), pos % bs
+            k_cache[blk, :, :, off, :] = k[s0:s0 + ql].view(ql, hkv, d // x, x).to(cdt)
+            v_cache[blk, :, :, off] = v[s0:s0 + ql].to(cdt)
+            s0 += ql
+    v_std = v_cache
+    xv = opts.get("interleaved_v_pack_factor", 0)
+    if xv:  # the same values stored [num_blocks, Hkv, bs // x, D, x] behind the 4-D shape
+        v_cache = (v_cache.view(num_blocks, hkv, d, bs // xv, xv).permute(0, 1, 3, 2, 4)
+                   .contiguous().view(num_blocks, hkv, d, bs))
+    return dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, v_cache_std=v_std, b_loc=b_loc,
+                b_start_loc=b_start,
                 b_seq_len=qlens + ctxs, k_scale=one * 0.5 if fp8 else one, v_scale=one * 0.7 if fp8 else one,
                 max_input_len=max(q for q, _ in seqs))
 
@@ -78,10 +102,12 @@ def configured_call(inp, out, opts, cfg):
 
 def torch_call(inp, out, opts, config=None):
     import adapters.torch as at
+    k, v = (None, None) if opts.get("cache_kv") else (inp["k"], inp["v"])
     return lambda: at.context_attention_fwd(
-        inp["q"], inp["k"], inp["v"], out, opts.get("kv_cache_dtype", "auto"), inp["k_cache"],
+        inp["q"], k, v, out, opts.get("kv_cache_dtype", "auto"), inp["k_cache"],
         inp["v_cache"], inp["b_loc"], inp["b_start_loc"], inp["b_seq_len"], 0, inp["max_input_len"],
-        inp["k_scale"], inp["v_scale"], sliding_window=opts.get("sliding_window"), config=config)
+        inp["k_scale"], inp["v_scale"], sliding_window=opts.get("sliding_window"),
+        interleaved_v_pack_factor=opts.get("interleaved_v_pack_factor", 0), config=config)
 
 
 def check_one_sequence(inp, out, opts, seq_index=0, rows=256):
@@ -94,7 +120,7 @@ def check_one_sequence(inp, out, opts, seq_index=0, rows=256):
     blocks = inp["b_loc"][seq_index, :-(-ctx // bs)].long()
     scale = float(inp["k_scale"]), float(inp["v_scale"])
     kc = inp["k_cache"][blocks].float().permute(0, 3, 1, 2, 4).reshape(-1, hkv, d)[:ctx] * scale[0]
-    vc = inp["v_cache"][blocks].float().permute(0, 3, 1, 2).reshape(-1, hkv, d)[:ctx] * scale[1]
+    vc = inp["v_cache_std"][blocks].float().permute(0, 3, 1, 2).reshape(-1, hkv, d)[:ctx] * scale[1]
     keys = torch.cat([kc, inp["k"][s0:s1].float()]).repeat_interleave(hq // hkv, 1)
     vals = torch.cat([vc, inp["v"][s0:s1].float()]).repeat_interleave(hq // hkv, 1)
     r0 = max(s0, s1 - rows)
@@ -117,7 +143,8 @@ def run():
     m = PREFIX_PREFILL_MODEL
     mm = timing.matmul_tflops()
     rows = [dict(name="dense-bf16-matmul", **{"TFLOP/s": mm / 1e12})]
-    for name, seqs, dtype, opts in PREFIX_PREFILL_SHAPES:
+    standard_us = None
+    for name, seqs, dtype, opts in (*PREFIX_PREFILL_SHAPES, *VLLM033_SHAPES):
         inp = make_inputs(seqs, dtype, opts)
         flops = useful_flops(seqs, m["hq"], m["d"], opts.get("sliding_window"))
         out = torch.empty_like(inp["q"])
@@ -139,6 +166,10 @@ def run():
             row = dict(name=name, config="default" if cfg is None else str(cfg), torch_us=t * 1e6,
                        **{"TFLOP/s": tf, "%matmul": 100 * flops / t / mm},
                        vs_baseline=tf / BASELINE_TFLOPS, max_err=err)
+            if cfg is None and name == STANDARD:
+                standard_us = t * 1e6
+            if cfg is None and name in dict((n, 0) for n, *_ in VLLM033_SHAPES) and standard_us:
+                row["vs_standard"] = t * 1e6 / standard_us
             print(row, flush=True)
             rows.append(row)
             if best is None or t < best[0]:
@@ -150,11 +181,14 @@ def run():
             jin = {n: jax.dlpack.from_dlpack(inp[n]) for n in
                    ("q", "k", "v", "k_cache", "v_cache", "b_loc", "b_start_loc", "b_seq_len",
                     "k_scale", "v_scale")}
+            no_kv = bool(opts.get("cache_kv"))
             f = jax.jit(lambda a: aj.context_attention_fwd(
-                a["q"], a["k"], a["v"], a["k_cache"], a["v_cache"], a["b_loc"], a["b_start_loc"],
-                a["b_seq_len"], max_input_len=inp["max_input_len"],
+                a["q"], None if no_kv else a["k"], None if no_kv else a["v"], a["k_cache"],
+                a["v_cache"], a["b_loc"], a["b_start_loc"], a["b_seq_len"],
+                max_input_len=inp["max_input_len"],
                 kv_cache_dtype=opts.get("kv_cache_dtype", "auto"), k_scale=a["k_scale"],
-                v_scale=a["v_scale"], sliding_window=opts.get("sliding_window")))
+                v_scale=a["v_scale"], sliding_window=opts.get("sliding_window"),
+                interleaved_v_pack_factor=opts.get("interleaved_v_pack_factor", 0)))
             t_jax = timing.pipelined_time([lambda: f(jin)], "jax", reps=20, trials=3)
             call()
             torch.cuda.synchronize()

@@ -29,8 +29,13 @@ def _nan_bits(a):
 
 
 def make_case(seqs, hq=4, hkv=2, d=32, bs=16, x=8, dtype="float32", cache_fp8=None,
-              as_uint8=False, window=None, seed=None, table_dtype="int32"):
+              as_uint8=False, window=None, seed=None, table_dtype="int32", cache_new=False,
+              v_pack=0):
     """Random inputs for sequences [(query_len, context_len), ...].
+
+    ``cache_new``: the cache also holds the new tokens (positions context_len ..
+    seq_len - 1, for k = v = None); ``v_pack`` = x > 0: v_cache's memory is
+    interleaved ([num_blocks, Hkv, block_size // x, D, x] behind the 4-D shape).
 
     Physical blocks are permuted; every cache token no query can see (stale
     blocks, the tail of a sequence's last block, tokens before the sliding
@@ -43,7 +48,8 @@ def make_case(seqs, hq=4, hkv=2, d=32, bs=16, x=8, dtype="float32", cache_fp8=No
     q = cast(g.standard_normal((t, hq, d)), dtype)
     k = cast(g.standard_normal((t, hkv, d)), dtype)
     v = cast(g.standard_normal((t, hkv, d)), dtype)
-    used = [-(-int(c) // bs) for c in ctxs]
+    cached = ctxs + qlens if cache_new else ctxs   # tokens a query may read from the cache
+    used = [-(-int(c) // bs) for c in cached]
     max_blocks = max(used + [1]) + 2
     num_blocks = sum(used) + 3
     ids = g.permutation(num_blocks)
@@ -64,10 +70,13 @@ def make_case(seqs, hq=4, hkv=2, d=32, bs=16, x=8, dtype="float32", cache_fp8=No
         _nan_bits(vc[blk])
     for i in range(b):
         first_visible = 0 if window is None or window <= 0 else max(0, int(ctxs[i]) - window + 1)
-        for tok in list(range(first_visible)) + list(range(int(ctxs[i]), used[i] * bs)):
+        for tok in list(range(first_visible)) + list(range(int(cached[i]), used[i] * bs)):
             blk, off = b_loc[i, tok // bs], tok % bs
             _nan_bits(kc[blk, :, :, off, :])
             _nan_bits(vc[blk, :, :, off])
+    if v_pack:  # the same values, stored [num_blocks, Hkv, bs // x, D, x]
+        vc = np.ascontiguousarray(vc.reshape(num_blocks, hkv, d, bs // v_pack, v_pack)
+                                  .transpose(0, 1, 3, 2, 4)).reshape(num_blocks, hkv, d, bs)
     if as_uint8:
         kc, vc = kc.view(np.uint8), vc.view(np.uint8)
     return dict(q=q, k=k, v=v, k_cache=kc, v_cache=vc, b_loc=b_loc.astype(table_dtype),
@@ -82,8 +91,13 @@ ARRAYS = ("q", "k", "v", "k_cache", "v_cache", "b_loc", "b_start_loc", "b_seq_le
 def reference(case, *, kv_cache_dtype="auto", output=None, **opts):
     opts.pop("fp8_out_scale", None)
     opts.pop("config", None)
-    return context_attention_reference(*(case[n] for n in ARRAYS), kv_cache_dtype=kv_cache_dtype,
+    return context_attention_reference(*(case.get(n) for n in ARRAYS), kv_cache_dtype=kv_cache_dtype,
                                        output=output, **opts)
+
+
+def no_kv(case):
+    """The case with k = v = None (the new tokens' K/V read from the cache)."""
+    return {**case, "k": None, "v": None}
 
 
 def tolerance_dtype(dtype):
@@ -99,7 +113,8 @@ def check(out, ref, dtype, what, scale=1.0):
 def plan_for(case, target, *, output=True, kv_cache_dtype="auto", k_scale=None, v_scale=None,
              alibi_slopes=None, sinks=None, fp8_out_scale=None, **opts):
     """The plan an adapter makes for a numpy case (contiguous layouts) on ``target``."""
-    infos = [ArrayInfo.contiguous(case[n].shape, case[n].dtype.name) for n in ARRAYS]
+    infos = [None if case[n] is None else ArrayInfo.contiguous(case[n].shape, case[n].dtype.name)
+             for n in ARRAYS]
     out_dtype = "float8_e4m3fn" if fp8_out_scale is not None else case["q"].dtype.name
     scalar = lambda x: None if x is None else ArrayInfo.contiguous((1,), "float32")  # noqa: E731
     vec = lambda x: None if x is None else ArrayInfo.contiguous(x.shape, x.dtype.name)  # noqa: E731
@@ -180,13 +195,72 @@ def _error_cases():
     ]
 
 
+# name: (make_case keywords, call options, k = v = None)
+VLLM033 = {
+    "noncausal": ({}, dict(causal=False), False),
+    "cache-kv": (dict(cache_new=True), {}, True),
+    "interleaved-v": (dict(v_pack=4), dict(interleaved_v_pack_factor=4), False),
+    "cache-kv-noncausal": (dict(cache_new=True), dict(causal=False), True),
+    "interleaved-v16-cache-kv-noncausal": (dict(cache_new=True, v_pack=16),
+                                           dict(causal=False, interleaved_v_pack_factor=16), True),
+    "interleaved-v-alibi-window": (dict(v_pack=2, window=19),
+                                   dict(interleaved_v_pack_factor=2, sliding_window=19,
+                                        alibi_slopes=(2.0 ** -(1 + np.arange(4))).astype(np.float32)),
+                                   False),
+}
+VLLM033_COMBOS = ("cache-kv fp8-uint8 window sinks skip_decode fp8-out",
+                  "noncausal interleaved fp8_e5m2 window sinks skip_decode mqa-d24-bs48",
+                  "cache-kv noncausal interleaved fp8-e4m3 sinks skip_decode d80",
+                  "interleaved alibi window sinks fp8-out")
+
+
+def _vllm033_combo(combo):
+    """(case, options, fp8_out_scale) of a named combination (first sequence 30 new
+    tokens, then a decode row)."""
+    words = combo.split()
+    g = rng()
+    hq, hkv, d, bs, x, dtype = 4, 2, 32, 16, 8, "float16"
+    if "mqa-d24-bs48" in words:
+        hq, hkv, d, bs, x = 3, 1, 24, 48, 8
+    if "d80" in words:
+        hq, hkv, d, bs, x = 4, 2, 80, 32, 16
+    opts = {}
+    if "window" in words:
+        opts["sliding_window"] = 23
+    if "sinks" in words:
+        opts["sinks"] = (g.standard_normal(hq) * 2).astype(np.float32)
+    if "alibi" in words:
+        opts["alibi_slopes"] = (2.0 ** -(1 + np.arange(hq))).astype(np.float32)
+    if "skip_decode" in words:
+        opts["skip_decode"] = True
+    if "noncausal" in words:
+        opts["causal"] = False
+    v_pack = 0
+    if "interleaved" in words:
+        v_pack = 8 if bs % 8 == 0 else 4
+        opts["interleaved_v_pack_factor"] = v_pack
+    fp8 = next((w for w in words if w.startswith("fp8") and w != "fp8-out"), None)
+    fmt = {"fp8-uint8": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "fp8-e4m3": "float8_e4m3fn"}.get(fp8)
+    if fp8:
+        opts.update(kv_cache_dtype={"fp8-uint8": "fp8", "fp8_e5m2": "fp8_e5m2",
+                                    "fp8-e4m3": "auto"}[fp8], k_scale=0.7, v_scale=1.3)
+    cache_kv = "cache-kv" in words
+    case = make_case([(30, 70), (1, 40), (12, 0), (17, 33)], hq, hkv, d, bs, x, dtype,
+                     cache_fp8=fmt, as_uint8=fp8 in ("fp8-uint8", "fp8_e5m2"),
+                     window=opts.get("sliding_window"), cache_new=cache_kv, v_pack=v_pack)
+    if cache_kv:
+        case = no_kv(case)
+    return case, opts, (0.01 if "fp8-out" in words else None)
+
+
 class PrefixPrefillTests:
     """Every context_attention_fwd test, written once; a subclass per adapter
     implements ``attention`` (and may add framework-only tests)."""
 
     def attention(self, case, *, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
                   alibi_slopes=None, sliding_window=None, sm_scale=None, skip_decode=False,
-                  fp8_out_scale=None, sinks=None, output=None, max_input_len=None, config=None):
+                  fp8_out_scale=None, sinks=None, output=None, max_input_len=None, config=None,
+                  causal=True, interleaved_v_pack_factor=0):
         """A numpy case (make_case) -> the numpy output through this adapter.
         ``output``: the output's values before the call (None: the adapter's default)."""
         raise NotImplementedError
@@ -309,6 +383,58 @@ class PrefixPrefillTests:
         with pytest.raises((ValueError, TypeError), match=name):
             self.attention(c, **opts)
 
+    # ---- vLLM 0.33's options: k = v = None, causal=False, interleaved V, block addresses
+    @pytest.mark.parametrize("gather", [None, False, True])
+    @pytest.mark.parametrize("name", list(VLLM033))
+    def test_vllm033_options(self, name, gather):
+        """Each new option alone and together, on the chosen / paged / gathered paths."""
+        case_kw, opts, cache_kv = VLLM033[name]
+        case = make_case([(20, 37), (1, 50), (33, 0), (5, 16)], 4, 2, 32, 16, 8, "float32", **case_kw)
+        if cache_kv:
+            case = no_kv(case)
+        config = None if gather is None else PrefixPrefillConfig(16, 16, 4, 2, True, 1, gather)
+        check(self.attention(case, config=config, **opts), reference(case, **opts), "float32",
+              f"{name} gather={gather}")
+
+    @pytest.mark.parametrize("gather", [False, True])
+    @pytest.mark.parametrize("combo", list(VLLM033_COMBOS))
+    def test_vllm033_options_combined(self, combo, gather):
+        """The new options with GQA, window, sinks, fp8 KV (uint8 / fp8 storage), fp8
+        output, skip_decode and odd shapes; decode rows are kept bit for bit."""
+        case, opts, out_scale = _vllm033_combo(combo)
+        keep = cast(rng().standard_normal(case["q"].shape),
+                    "float8_e4m3fn" if out_scale else case["q"].dtype.name)
+        config = PrefixPrefillConfig(16, 32, 4, 2, True, 1, gather)
+        out = self.attention(case, output=keep, fp8_out_scale=out_scale, config=config, **opts)
+        dtype = case["q"].dtype.name
+        if out_scale:
+            ref = reference(case, output=keep.astype(np.float64) * out_scale, **opts)
+            _fp8_out_check(out, ref, out_scale, dtype)
+        else:
+            check(out, reference(case, output=keep, **opts), dtype, f"{combo} gather={gather}")
+        if opts.get("skip_decode"):
+            assert_bitwise_equal(out[30:31], keep[30:31], "decode row kept")
+
+    def test_vllm033_errors(self):
+        c = make_case([(4, 10)], 4, 2, 32, 16, 8, "float32")
+        slopes = np.ones(4, np.float32)
+        with pytest.raises(ValueError, match="causal"):
+            self.attention(c, causal=False, alibi_slopes=slopes)
+        with pytest.raises(NotImplementedError, match="k, v"):
+            self.attention(no_kv(c), alibi_slopes=slopes)
+        with pytest.raises(ValueError, match="k"):
+            self.attention({**c, "k": None})
+        with pytest.raises(ValueError, match="v"):
+            self.attention({**c, "v": None})
+        with pytest.raises(ValueError, match="interleaved_v_pack_factor"):
+            self.attention(c, interleaved_v_pack_factor=3)       # does not divide block 16
+        with pytest.raises(ValueError, match="interleaved_v_pack_factor"):
+            self.attention(c, interleaved_v_pack_factor=-1)
+        # a uint8 cache with kv_cache_dtype "auto": ValueError (vLLM's issue)
+        with pytest.raises(ValueError, match="k_cache"):
+            self.attention(_bad(c, k_cache=c["k_cache"].view(np.uint8)[..., :8],
+                                v_cache=c["v_cache"].view(np.uint8)[..., :16]))
+
     def test_config_of_another_op_is_refused(self):
         from core_kernels.merge_attn_states import MergeConfig
         case = make_case([(4, 10)], 4, 2, 32, 16, 8, "float32")
@@ -316,21 +442,67 @@ class PrefixPrefillTests:
             self.attention(case, config=MergeConfig())
 
 
+def torch_with_addresses(case, opts, keep, config=None):
+    """The torch call with ``is_block_table_ptr=True``: b_loc turned into K cache
+    block addresses (unused slots: 0, or an address far outside the cache)."""
+    kc = to_torch(case["k_cache"])
+    bl = case["b_loc"].astype(np.int64)
+    base, per_block = kc.data_ptr(), kc.stride(0) * kc.element_size()
+    addr = np.where(bl < case["k_cache"].shape[0], base + bl * per_block,
+                    np.where(np.arange(bl.shape[1]) % 2 == 0, 0, base + (1 << 40)))
+    o = to_torch(keep)
+    tt = lambda n: None if case[n] is None else to_torch(case[n])  # noqa: E731
+    scl = lambda s: torch.tensor([s], dtype=torch.float32, device=DEVICE)  # noqa: E731
+    at.context_attention_fwd(
+        tt("q"), tt("k"), tt("v"), o, opts.get("kv_cache_dtype", "auto"), kc, tt("v_cache"),
+        to_torch(addr.astype(np.int64)), tt("b_start_loc"), tt("b_seq_len"), 0,
+        case["max_input_len"], scl(opts.get("k_scale", 1.0)), scl(opts.get("v_scale", 1.0)),
+        None if opts.get("alibi_slopes") is None else to_torch(opts["alibi_slopes"]),
+        opts.get("sliding_window"), opts.get("sm_scale"), opts.get("skip_decode", False), None,
+        None if opts.get("sinks") is None else to_torch(opts["sinks"]), True,
+        opts.get("interleaved_v_pack_factor", 0), opts.get("causal", True), config=config)
+    return torch_to_numpy(o)
+
+
 class TestTorch(TorchAdapter, PrefixPrefillTests):
     def attention(self, case, *, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
                   alibi_slopes=None, sliding_window=None, sm_scale=None, skip_decode=False,
-                  fp8_out_scale=None, sinks=None, output=None, max_input_len=None, config=None):
+                  fp8_out_scale=None, sinks=None, output=None, max_input_len=None, config=None,
+                  causal=True, interleaved_v_pack_factor=0):
         out_dtype = "float8_e4m3fn" if fp8_out_scale is not None else case["q"].dtype.name
         mil = case["max_input_len"] if max_input_len is None else max_input_len
         o = to_torch(poison_like(case["q"].shape, out_dtype) if output is None else output)
         scl = lambda s: None if s is None else torch.tensor([s], dtype=torch.float32, device=DEVICE)  # noqa: E731
+        tt = lambda n: None if case[n] is None else to_torch(case[n])  # noqa: E731
         at.context_attention_fwd(
-            *(to_torch(case[n]) for n in ARRAYS[:3]), o, kv_cache_dtype,
-            *(to_torch(case[n]) for n in ARRAYS[3:]), 0, mil, scl(k_scale), scl(v_scale),
+            *(tt(n) for n in ARRAYS[:3]), o, kv_cache_dtype,
+            *(tt(n) for n in ARRAYS[3:]), 0, mil, scl(k_scale), scl(v_scale),
             None if alibi_slopes is None else to_torch(alibi_slopes), sliding_window, sm_scale,
             skip_decode, scl(fp8_out_scale), None if sinks is None else to_torch(sinks),
-            config=config)
+            False, interleaved_v_pack_factor, causal, config=config)
         return torch_to_numpy(o)
+
+    @pytest.mark.parametrize("gather", [False, True])
+    @pytest.mark.parametrize("combo", ["plain", "cache-kv noncausal interleaved fp8-uint8 window sinks skip_decode"])
+    def test_block_table_addresses(self, combo, gather):
+        """is_block_table_ptr: b_loc holds K cache block addresses (0 = unused; the
+        garbage ids of make_case become 0 or wild addresses), converted on the device."""
+        if combo == "plain":
+            case, opts = make_case([(20, 37), (1, 50), (33, 0), (5, 16)], 4, 2, 32, 16, 8,
+                                   "float32", table_dtype="int64"), {}
+        else:
+            case, opts, _ = _vllm033_combo(combo)
+        keep = poison_like(case["q"].shape, case["q"].dtype.name)
+        out = torch_with_addresses(case, opts, keep, PrefixPrefillConfig(16, 32, 4, 2, True, 1, gather))
+        check(out, reference(case, output=keep, **opts), case["q"].dtype.name,
+              f"{combo} addresses gather={gather}")
+        tt = lambda n: None if case[n] is None else to_torch(case[n])  # noqa: E731
+        with pytest.raises(TypeError, match="b_loc"):  # addresses need int64
+            at.context_attention_fwd(
+                tt("q"), tt("k"), tt("v"), to_torch(keep), opts.get("kv_cache_dtype", "auto"),
+                tt("k_cache"), tt("v_cache"), to_torch(case["b_loc"].astype(np.int32)),
+                tt("b_start_loc"), tt("b_seq_len"), 0, case["max_input_len"], 1.0, 1.0,
+                is_block_table_ptr=True)
 
     def test_any_strides(self):
         """Padded / permuted views of every tensor argument."""
@@ -451,19 +623,28 @@ class TestJax(JaxAdapter, PrefixPrefillTests):
     def attention(self, case, *, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
                   alibi_slopes=None, sliding_window=None, sm_scale=None, skip_decode=False,
                   fp8_out_scale=None, sinks=None, output=None, max_input_len=None, config=None,
-                  jit=False):
+                  causal=True, interleaved_v_pack_factor=0, jit=False):
         import jax
         import adapters.jax as aj
         fn = functools.partial(aj.context_attention_fwd, max_input_len=max_input_len,
                                kv_cache_dtype=kv_cache_dtype, sliding_window=sliding_window,
-                               sm_scale=sm_scale, skip_decode=skip_decode, config=config)
+                               sm_scale=sm_scale, skip_decode=skip_decode, config=config,
+                               causal=causal, interleaved_v_pack_factor=interleaved_v_pack_factor)
         if jit:
             fn = jax.jit(fn)
         kw = dict(k_scale=np.float32(k_scale), v_scale=np.float32(v_scale),
                   alibi_slopes=alibi_slopes, sinks=sinks, output=output,
                   fp8_out_scale=None if fp8_out_scale is None else np.float32(fp8_out_scale))
         kw = {n: to_jax(a) for n, a in kw.items() if a is not None}
-        return jax_to_numpy(fn(*(to_jax(case[n]) for n in ARRAYS), **kw))
+        return jax_to_numpy(fn(*(None if case[n] is None else to_jax(case[n]) for n in ARRAYS), **kw))
+
+    def test_block_table_addresses_need_the_gpu(self):
+        import adapters.jax as aj
+        if GPU:
+            pytest.skip("the interpreter's refusal")
+        case = make_case([(4, 10)], 4, 2, 32, 16, 8, "float32", table_dtype="int64")
+        with pytest.raises(NotImplementedError, match="is_block_table_ptr"):
+            aj.context_attention_fwd(*(to_jax(case[n]) for n in ARRAYS), is_block_table_ptr=True)
 
     def test_skipped_rows_are_zeros_without_output(self):
         case = make_case([(12, 20), (1, 30), (9, 0), (1, 5)], 4, 2, 32, 16, 8, "float32")
@@ -500,6 +681,30 @@ def test_torch_and_jax_bitwise_equal(dtype):
         t = TestTorch().attention(case, fp8_out_scale=out_scale, **opts)
         j = TestJax().attention(case, fp8_out_scale=out_scale, jit=True, **opts)
         assert_bitwise_equal(t, j, f"torch vs jax (fp8 out {out_scale})")
+
+
+@pytest.mark.parametrize("combo", VLLM033_COMBOS[:3])
+def test_torch_and_jax_bitwise_equal_vllm033(combo):
+    case, opts, out_scale = _vllm033_combo(combo)
+    keep = cast(rng().standard_normal(case["q"].shape),  # rows skip_decode leaves
+                "float8_e4m3fn" if out_scale else case["q"].dtype.name)
+    for gather in (False, True):
+        config = PrefixPrefillConfig(16, 32, 4, 2, True, 1, gather)
+        t = TestTorch().attention(case, fp8_out_scale=out_scale, config=config, output=keep, **opts)
+        j = TestJax().attention(case, fp8_out_scale=out_scale, config=config, output=keep, jit=True,
+                                **opts)
+        assert_bitwise_equal(t, j, f"torch vs jax {combo} gather={gather}")
+
+
+def test_interleaved_v_needs_contiguous_heads():
+    """The interleaved V layout lives in memory: a V cache whose [D, block_size] is
+    not contiguous is refused (planner, both adapters alike)."""
+    case = make_case([(4, 10)], 4, 2, 32, 16, 8, "float32")
+    infos = [ArrayInfo.contiguous(case[n].shape, case[n].dtype.name) for n in ARRAYS]
+    infos[4] = ArrayInfo(tuple(case["v_cache"].shape), "float32", (2 * 32 * 16, 32 * 16, 1, 32))
+    with pytest.raises(ValueError, match="v_cache"):
+        plan_prefix_prefill(Target.interpreter(), *infos, max_input_len=4, interleaved_v_pack_factor=4)
+    assert plan_prefix_prefill(Target.interpreter(), *infos, max_input_len=4).launches
 
 
 def test_gather_plan_policy():
@@ -585,3 +790,63 @@ def test_gpu_test_plans_build(dtype):
             assert plan_for(make_case([(200, 300), (77, 0), (1, 50)], 8, 2, d, bs, x, dtype), SM90).launches
         case = make_case([(128, 256), (64, 64)], 8, 2, 128, 16, 8, "float16")  # CUDA graph replay
         assert plan_for(case, SM90).launches
+
+
+# ------------------------------------------------------------------ GPU, vLLM 0.33's options
+GPU_VLLM033 = ["interleaved", "cache-kv", "noncausal", "cache-kv-noncausal-interleaved-window-sinks"]
+GPU_VLLM033_KV = [("bfloat16", None), ("float16", None), ("bfloat16", "fp8")]
+
+
+def _gpu_vllm033_case(dtype, kv, options):
+    """(case, options) at real sizes (Llama-8B heads, D=128, block 16)."""
+    x = 16 // np_dtype(dtype).itemsize
+    opts = {}
+    if "window" in options:
+        opts["sliding_window"] = 256
+    if "sinks" in options:
+        opts["sinks"] = (rng().standard_normal(32) * 2).astype(np.float32)
+    if "noncausal" in options:
+        opts["causal"] = False
+    v_pack = 0
+    if "interleaved" in options:
+        v_pack = 16 if kv == "fp8" else x
+        opts["interleaved_v_pack_factor"] = v_pack
+    cache_kv = "cache-kv" in options
+    case = make_case(GPU_SEQS, 32, 8, 128, 16, x, dtype,
+                     cache_fp8="float8_e4m3fn" if kv else None, as_uint8=bool(kv),
+                     window=opts.get("sliding_window"), cache_new=cache_kv, v_pack=v_pack)
+    if cache_kv:
+        case = no_kv(case)
+    if kv:
+        opts.update(kv_cache_dtype="fp8", k_scale=0.6, v_scale=0.9)
+    return case, opts
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype,kv", GPU_VLLM033_KV, ids=str)
+@pytest.mark.parametrize("options", GPU_VLLM033)
+def test_gpu_vllm033_real_sizes(dtype, kv, options):
+    """The new options at real sizes: the reference, torch vs JAX bitwise on the
+    chosen (gathered) and forced paged paths, block addresses bitwise to block ids."""
+    case, opts = _gpu_vllm033_case(dtype, kv, options)
+    ref = reference(case, **opts)
+    torch_, jax_ = TestTorch(), TestJax()
+    for config in (None, _paged(dtype)):
+        t = torch_.attention(case, config=config, **opts)
+        check(t, ref, dtype, f"torch {options} {kv} config={config}")
+        j = jax_.attention(case, jit=True, config=config, **opts)
+        assert_bitwise_equal(t, j, f"torch vs jax {options} {kv} config={config}")
+        a = torch_with_addresses(case, opts, poison_like(case["q"].shape, dtype), config)
+        assert_bitwise_equal(t, a, f"block addresses vs ids {options} {kv} config={config}")
+
+
+def test_gpu_vllm033_plans_build():
+    """The GPU-only vLLM 0.33 tests' plans build for sm_90 (gathered and paged)."""
+    for dtype, kv in GPU_VLLM033_KV:
+        for options in GPU_VLLM033:
+            case, opts = _gpu_vllm033_case(dtype, kv, options)
+            chosen = plan_for(case, SM90, **opts)
+            paged = plan_for(case, SM90, config=_paged(dtype), **opts)
+            addresses = plan_for({**case, "b_loc": case["b_loc"].astype(np.int64)}, SM90,
+                                 is_block_table_ptr=True, **opts)
+            assert chosen.launches and addresses.launches and len(paged.launches) == 1

@@ -12,13 +12,14 @@ from ._executor import planned, run_plan
 from ._register import custom_op
 
 
-def _impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+def _impl(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], o: torch.Tensor,
           kv_cache_dtype: str, k_cache: torch.Tensor, v_cache: torch.Tensor,
           b_loc: torch.Tensor, b_start_loc: torch.Tensor, b_seq_len: torch.Tensor,
           max_input_len: int, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
           alibi_slopes: Optional[torch.Tensor], sliding_window: Optional[int],
           sm_scale: Optional[float], skip_decode: bool, fp8_out_scale: Optional[torch.Tensor],
-          sinks: Optional[torch.Tensor], config: Optional[str]) -> None:
+          sinks: Optional[torch.Tensor], causal: bool, interleaved_v_pack_factor: int,
+          is_block_table_ptr: bool, config: Optional[str]) -> None:
     # in the planner's positional order
     tensors = dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, b_loc=b_loc,
                    b_start_loc=b_start_loc, b_seq_len=b_seq_len, output=o, k_scale=k_scale,
@@ -26,7 +27,9 @@ def _impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                    fp8_out_scale=fp8_out_scale)
     plan, device = planned(plan_prefix_prefill, tensors, max_input_len=max_input_len,
                            kv_cache_dtype=kv_cache_dtype, sliding_window=sliding_window,
-                           sm_scale=sm_scale, skip_decode=skip_decode, config=decode_config(config))
+                           sm_scale=sm_scale, skip_decode=skip_decode, causal=causal,
+                           interleaved_v_pack_factor=interleaved_v_pack_factor,
+                           is_block_table_ptr=is_block_table_ptr, config=decode_config(config))
     run_plan(plan, {n: t for n, t in tensors.items() if t is not None}, device=device)
 
 
@@ -45,13 +48,16 @@ def _scale_tensor(name, value, like):
 def context_attention_fwd(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b_start_loc,
                           b_seq_len, max_seq_len, max_input_len, k_scale=None, v_scale=None,
                           alibi_slopes=None, sliding_window=None, sm_scale=None,
-                          skip_decode=False, fp8_out_scale=None, sinks=None, *,
+                          skip_decode=False, fp8_out_scale=None, sinks=None,
+                          is_block_table_ptr=False, interleaved_v_pack_factor=0, causal=True, *,
                           config=None) -> None:
     """Causal attention of new tokens over their paged context and themselves; writes ``o``.
 
     Args:
         q: [T, Hq, D] float32/float16/bfloat16, the new tokens of all sequences, packed.
-        k, v: [T, Hkv, D] (q's dtype), K/V of the new tokens; Hq % Hkv == 0.
+        k, v: [T, Hkv, D] (q's dtype), K/V of the new tokens; Hq % Hkv == 0. Both
+            None: the new tokens' K/V are read from the paged cache (positions
+            context_len .. seq_len - 1 of each sequence; not with alibi_slopes).
         o: [T, Hq, D] output, written in place: q's dtype, or float8_e4m3fn with
             ``fp8_out_scale`` (o = fp8(clamp(attn / fp8_out_scale))).
         kv_cache_dtype: "auto" (the cache dtype: q's, or an fp8 dtype), "fp8" /
@@ -70,6 +76,15 @@ def context_attention_fwd(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b
         sm_scale: softmax scale (default 1/sqrt(D)); sinks: optional [Hq] logits
             that join the softmax denominator only.
         skip_decode: rows of sequences with a query length of 1 are left untouched.
+        is_block_table_ptr: ``b_loc`` (int64) holds device addresses of K cache
+            blocks (``k_cache.data_ptr() + id * k_cache.stride(0) * itemsize``;
+            0 for an unused slot), as vLLM passes them; the kernels turn them into
+            ids on the device (no host sync); V blocks are found by the same id.
+        interleaved_v_pack_factor: x > 0: ``v_cache`` (same 4-D shape, last two
+            dims contiguous) holds [num_blocks, Hkv, block_size // x, D, x] in
+            memory; 0: [num_blocks, Hkv, D, block_size].
+        causal: False lets each new token attend to every new token of its
+            sequence (and its whole context); not with alibi_slopes.
         config: optional ``core_kernels.prefix_prefill.PrefixPrefillConfig``
             overriding the tiling (and the context gather) the planner would choose.
     All tensors may have any strides. Works eagerly, under
@@ -82,4 +97,11 @@ def context_attention_fwd(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b
         _scale_tensor("v_scale", v_scale, q), alibi_slopes,
         None if sliding_window is None else int(sliding_window),
         None if sm_scale is None else float(sm_scale), bool(skip_decode),
-        _scale_tensor("fp8_out_scale", fp8_out_scale, q), sinks, encode_config(config))
+        _scale_tensor("fp8_out_scale", fp8_out_scale, q), sinks, bool(causal),
+        _pack_factor(interleaved_v_pack_factor), bool(is_block_table_ptr), encode_config(config))
+
+
+def _pack_factor(x):
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise ValueError(f"interleaved_v_pack_factor: expected an int >= 0, got {x!r}")
+    return x

@@ -63,15 +63,19 @@ def _tile_at(i_k, t_a, t_c, n_first):
 
 @triton.jit
 def _block_ids(b_loc_row, stride_bl_n, i_n, lo_key, hi_key, BLOCK_N: tl.constexpr,
-               CACHE_BLOCK: tl.constexpr, ID_RUN: tl.constexpr, OFFS32: tl.constexpr):
+               CACHE_BLOCK: tl.constexpr, ID_RUN: tl.constexpr, OFFS32: tl.constexpr,
+               bt_base=0, BT_PTR: tl.constexpr = False, BLOCK_BYTES: tl.constexpr = 1):
     """[BLOCK_N] physical block of each token of key tile i_n (int32 when every
-    cache offset fits in 31 bits, else int64).
+    cache offset fits in 31 bits, else int64). BT_PTR: the table holds the
+    addresses of K cache blocks, (address - bt_base) // BLOCK_BYTES is the id.
 
     Tokens are clamped into the visible range [lo_key, hi_key): only live
     block-table slots are read, whatever tile index is asked for.
     """
     tok = tl.minimum(tl.maximum(i_n * BLOCK_N + tl.arange(0, BLOCK_N), lo_key), hi_key - 1)
     i_blk = tl.load(b_loc_row + (tok // CACHE_BLOCK) * stride_bl_n)
+    if BT_PTR:
+        i_blk = (i_blk.to(tl.int64) - bt_base) // BLOCK_BYTES
     if OFFS32:
         i_blk = i_blk.to(tl.int32)
     else:
@@ -95,7 +99,8 @@ def _attend(
     ID_RUN: tl.constexpr, KV_FP8: tl.constexpr, FP8_TYPE: tl.constexpr,
     DOT_TYPE: tl.constexpr, KC_STRIDE_T: tl.constexpr, KC_STRIDE_X: tl.constexpr,
     VC_STRIDE_T: tl.constexpr, PREFETCH_IDS: tl.constexpr, OFFS32: tl.constexpr,
-    DENSE: tl.constexpr,
+    DENSE: tl.constexpr, CAUSAL: tl.constexpr = False, V_PACK: tl.constexpr = 0,
+    bt_base=0, BT_PTR: tl.constexpr = False, BLOCK_BYTES: tl.constexpr = 1,
 ):
     """Online softmax over the key tiles [t_a, t_b) and [t_c, t_d) of one source."""
     m_d = o_d < HEAD_D
@@ -109,10 +114,12 @@ def _attend(
         # the K/V addresses) also waits for the K/V copies ahead of them
         # (1 tile ahead: 12% faster on the H200 with BLOCK_N=64; see plan.py).
         ids_next = _block_ids(b_loc_row, stride_bl_n, _tile_at(0, t_a, t_c, n_first),
-                              lo_key, hi_key, BLOCK_N, CACHE_BLOCK, ID_RUN, OFFS32)
+                              lo_key, hi_key, BLOCK_N, CACHE_BLOCK, ID_RUN, OFFS32,
+                              bt_base, BT_PTR, BLOCK_BYTES)
         if PREFETCH_IDS > 1:
             ids_next2 = _block_ids(b_loc_row, stride_bl_n, _tile_at(1, t_a, t_c, n_first),
-                                   lo_key, hi_key, BLOCK_N, CACHE_BLOCK, ID_RUN, OFFS32)
+                                   lo_key, hi_key, BLOCK_N, CACHE_BLOCK, ID_RUN, OFFS32,
+                                   bt_base, BT_PTR, BLOCK_BYTES)
     for i_k in range(0, n_first + (t_d - t_c)):
         i_n = _tile_at(i_k, t_a, t_c, n_first)
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] key index in its source
@@ -135,14 +142,17 @@ def _attend(
                 i_blk = ids_next
                 ids_next = ids_next2
                 ids_next2 = _block_ids(b_loc_row, stride_bl_n, _tile_at(i_k + 2, t_a, t_c, n_first),
-                                       lo_key, hi_key, BLOCK_N, CACHE_BLOCK, ID_RUN, OFFS32)
+                                       lo_key, hi_key, BLOCK_N, CACHE_BLOCK, ID_RUN, OFFS32,
+                                       bt_base, BT_PTR, BLOCK_BYTES)
             elif PREFETCH_IDS > 0:
                 i_blk = ids_next
                 ids_next = _block_ids(b_loc_row, stride_bl_n, _tile_at(i_k + 1, t_a, t_c, n_first),
-                                      lo_key, hi_key, BLOCK_N, CACHE_BLOCK, ID_RUN, OFFS32)
+                                      lo_key, hi_key, BLOCK_N, CACHE_BLOCK, ID_RUN, OFFS32,
+                                      bt_base, BT_PTR, BLOCK_BYTES)
             else:
                 i_blk = _block_ids(b_loc_row, stride_bl_n, i_n, lo_key, hi_key, BLOCK_N,
-                                   CACHE_BLOCK, ID_RUN, OFFS32)
+                                   CACHE_BLOCK, ID_RUN, OFFS32,
+                                   bt_base, BT_PTR, BLOCK_BYTES)
             o_t = tok % CACHE_BLOCK
             # NOTE: per-token and per-channel offsets are summed first and added
             # to the pointer once (int32 when the plan proved every cache offset
@@ -151,9 +161,15 @@ def _attend(
             o_kn = i_blk * stride_kc_b + o_t * KC_STRIDE_T            # [BLOCK_N]
             o_kd = (o_d // X) * stride_kc_dx + (o_d % X) * KC_STRIDE_X  # [BLOCK_D]
             p_kt = k_base + (o_kn[None, :] + o_kd[:, None])
-            # [BLOCK_N, HEAD_D] from [num_blocks, Hkv, D, block_size]
-            o_vn = i_blk * stride_vc_b + o_t * VC_STRIDE_T
-            p_v = v_base + (o_vn[:, None] + (o_d * stride_vc_d)[None, :])
+            if V_PACK > 0:
+                # [BLOCK_N, HEAD_D] from [num_blocks, Hkv, block_size // V_PACK, D, V_PACK]
+                o_vn = (i_blk * stride_vc_b + (o_t // V_PACK) * (HEAD_D * V_PACK)
+                        + o_t % V_PACK)
+                p_v = v_base + (o_vn[:, None] + (o_d * V_PACK)[None, :])
+            else:
+                # [BLOCK_N, HEAD_D] from [num_blocks, Hkv, D, block_size]
+                o_vn = i_blk * stride_vc_b + o_t * VC_STRIDE_T
+                p_v = v_base + (o_vn[:, None] + (o_d * stride_vc_d)[None, :])
         else:
             o_n64 = o_n.to(tl.int64)
             p_kt = k_base + o_n64[None, :] * stride_k_tok + o_d[:, None] * stride_k_d
@@ -173,7 +189,7 @@ def _attend(
                 s = s + alibi2[:, None] * rel.to(tl.float32)
             if MASKED:
                 vis = m_n[None, :]
-                if not FROM_CACHE:
+                if CAUSAL:
                     vis = vis & (rel <= 0)
                 if HAS_WINDOW:
                     vis = vis & (rel > -window)
@@ -219,6 +235,15 @@ def _prefix_prefill_kernel(
     SKIP_DECODE: tl.constexpr, OUT_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
     FP8_MANT_BITS: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr,
     FP8_SUBNORMAL_MAGIC: tl.constexpr,
+    # vLLM 0.33's options: IS_CAUSAL False lets every new token see all new
+    # tokens of its sequence; CACHE_NEW (k = v = None) reads the new tokens'
+    # K/V from the paged cache (positions ctx .. seq_len - 1) in the context
+    # loop; V_PACK > 0: the V cache is [num_blocks, Hkv, block_size // V_PACK,
+    # D, V_PACK] in memory (0: [num_blocks, Hkv, D, block_size])
+    IS_CAUSAL: tl.constexpr, CACHE_NEW: tl.constexpr, V_PACK: tl.constexpr,
+    # BT_PTR: b_loc holds device addresses of K cache blocks (0: unused), turned
+    # into ids here: (address - k_cache_ptr) // BLOCK_BYTES (bytes per K block)
+    BT_PTR: tl.constexpr, BLOCK_BYTES: tl.constexpr,
     # NOTE: every tensor stride is a constexpr: a layout constant (fixed per
     # model and cache layout), which the integer policy allows (see
     # core_kernels._triton_utils.jit). As runtime ints they would never be
@@ -299,7 +324,16 @@ def _prefix_prefill_kernel(
         if HAS_WINDOW:
             lo_key = tl.maximum(ctx_len + m0 - window + 1, 0)
             full_lo = tl.maximum(ctx_len + r_last - window + 1, 0)
-        t0, t1, t2, t3 = _tile_runs(lo_key, ctx_len, full_lo, ctx_len, BLOCK_N)
+        hi_c = ctx_len
+        full_hi_c = ctx_len
+        if CACHE_NEW:  # the new tokens' keys follow the context in the cache
+            if IS_CAUSAL:
+                hi_c = ctx_len + r_last + 1
+                full_hi_c = ctx_len + m0 + 1
+            else:
+                hi_c = ctx_len + q_len
+                full_hi_c = ctx_len + q_len
+        t0, t1, t2, t3 = _tile_runs(lo_key, hi_c, full_lo, full_hi_c, BLOCK_N)
         if CACHE_DENSE:
             # the context was gathered into [B, Hkv, ctx_cap, D] scratch
             # (_prefix_prefill_gather_kernel): dense tiles, like the new tokens
@@ -310,6 +344,9 @@ def _prefix_prefill_kernel(
             kc_base = k_cache_ptr + i_kvh * stride_kc_h
             vc_base = v_cache_ptr + i_kvh * stride_vc_h
         b_loc_row = b_loc_ptr + i_b * stride_bl_b
+        bt_base = 0
+        if BT_PTR:
+            bt_base = k_cache_ptr.to(tl.int64)
         k_base = k_ptr + q_start.to(tl.int64) * stride_k_t + i_kvh * stride_k_h
         v_base = v_ptr + q_start.to(tl.int64) * stride_v_t + i_kvh * stride_v_h
         # masked tiles first, then the full ones
@@ -318,23 +355,29 @@ def _prefix_prefill_kernel(
                 acc, l_i, m_i, b_q, o_d, p_pos,
                 t0 if masked == 0 else t1, t1 if masked == 0 else t2,
                 t2 if masked == 0 else t2, t3 if masked == 0 else t2,
-                lo_key, ctx_len, 0, window, ctx_scale2, alibi2, v_scale,
+                lo_key, hi_c, 0, window, ctx_scale2, alibi2, v_scale,
                 kc_base, vc_base, HEAD_D, 1, HEAD_D, 1,
                 b_loc_row, stride_bl_n, stride_kc_b, stride_kc_dx, stride_vc_b, stride_vc_d,
                 True, masked == 0, HAS_WINDOW, HAS_ALIBI, EVEN_D, HEAD_D, BLOCK_N, CACHE_BLOCK,
                 X, ID_RUN, KV_FP8, FP8_TYPE, DOT_TYPE, KC_STRIDE_T, KC_STRIDE_X, VC_STRIDE_T,
-                PREFETCH_IDS, OFFS32, CACHE_DENSE)
+                PREFETCH_IDS, OFFS32, CACHE_DENSE, CACHE_NEW and IS_CAUSAL, V_PACK,
+                bt_base, BT_PTR, BLOCK_BYTES)
 
         # ---- new keys (k, v), positions ctx_len .. ctx_len + q_len - 1; causal
+        # unless IS_CAUSAL is off (already read from the cache with CACHE_NEW)
         lo_key = 0
         full_lo = 0
         if HAS_WINDOW:
             lo_key = tl.maximum(m0 - window + 1, 0)
             full_lo = tl.maximum(r_last - window + 1, 0)
-        hi_key = r_last + 1
-        full_hi = m0 + 1
+        if IS_CAUSAL:
+            hi_key = r_last + 1
+            full_hi = m0 + 1
+        else:
+            hi_key = q_len
+            full_hi = q_len
         t0, t1, t2, t3 = _tile_runs(lo_key, hi_key, full_lo, full_hi, BLOCK_N)
-        for masked in tl.static_range(2):
+        for masked in tl.static_range(0 if CACHE_NEW else 2):
             acc, l_i, m_i = _attend(
                 acc, l_i, m_i, b_q, o_d, p_pos,
                 t0 if masked == 0 else t1, t1 if masked == 0 else t2,
@@ -344,7 +387,7 @@ def _prefix_prefill_kernel(
                 b_loc_row, 0, 0, 0, 0, 0,
                 False, masked == 0, HAS_WINDOW, HAS_ALIBI, EVEN_D, HEAD_D, BLOCK_N, CACHE_BLOCK,
                 X, ID_RUN, KV_FP8, FP8_TYPE, DOT_TYPE, KC_STRIDE_T, KC_STRIDE_X, VC_STRIDE_T,
-                PREFETCH_IDS, OFFS32, True)
+                PREFETCH_IDS, OFFS32, True, IS_CAUSAL, 0)
 
         # every live row sees at least itself, so l_i > 0 there; rows past the
         # sequence may see nothing (0 / 0): keep them quiet, they are never stored
@@ -374,14 +417,16 @@ def _prefix_prefill_gather_kernel(
     stride_kc_b: tl.constexpr, stride_kc_h: tl.constexpr, stride_kc_dx: tl.constexpr,
     KC_STRIDE_T: tl.constexpr, KC_STRIDE_X: tl.constexpr,
     stride_vc_b: tl.constexpr, stride_vc_h: tl.constexpr, stride_vc_d: tl.constexpr,
-    VC_STRIDE_T: tl.constexpr,
+    VC_STRIDE_T: tl.constexpr, CACHE_NEW: tl.constexpr, V_PACK: tl.constexpr,
+    BT_PTR: tl.constexpr, BLOCK_BYTES: tl.constexpr,
 ):
     """Copy the visible context of one sequence / kv head, GATHER_N tokens per
     program, from the paged cache into dense [token, D] rows. An fp8 cache is
     widened to the scratch's dtype (q's): exact, every fp8 value is a 16-bit
     float, and the scales stay in the attention kernel, so the result is the
     paged path's bit for bit. Only the tokens some query of the sequence can see are read and
-    written; the attention kernel reads no others (same visibility bounds)."""
+    written; the attention kernel reads no others (same visibility bounds). With
+    CACHE_NEW the new tokens' K/V (positions ctx_len .. seq_len - 1) are copied too."""
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
@@ -390,24 +435,34 @@ def _prefix_prefill_gather_kernel(
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(ctx_len - WINDOW + 1, 0)  # window start of the first query row
+    end = ctx_len
+    if CACHE_NEW:
+        end = ctx_len + q_len
     n0 = i_n * GATHER_N
-    run = (q_len > 0) & (n0 < ctx_len) & (n0 + GATHER_N > lo)
+    run = (q_len > 0) & (n0 < end) & (n0 + GATHER_N > lo)
     if SKIP_DECODE:
         run = run & (q_len != 1)
     if run:
         o_n = n0 + tl.arange(0, GATHER_N)
         o_d = tl.arange(0, BLOCK_D)
-        m_n = (o_n >= lo) & (o_n < ctx_len) & (o_n < ctx_cap)
+        m_n = (o_n >= lo) & (o_n < end) & (o_n < ctx_cap)
         m = m_n[:, None] & (o_d < HEAD_D)[None, :]
-        tok = tl.minimum(tl.maximum(o_n, lo), ctx_len - 1)  # only live table slots are read
+        tok = tl.minimum(tl.maximum(o_n, lo), end - 1)  # only live table slots are read
         i_blk = tl.load(b_loc_ptr + i_b * stride_bl_b + (tok // CACHE_BLOCK) * stride_bl_n).to(tl.int64)
+        if BT_PTR:  # K cache block addresses -> ids
+            i_blk = (i_blk - k_cache_ptr.to(tl.int64)) // BLOCK_BYTES
         o_t = tok % CACHE_BLOCK
         o_kn = i_blk * stride_kc_b + o_t * KC_STRIDE_T
         o_kd = (o_d // X) * stride_kc_dx + (o_d % X) * KC_STRIDE_X
         b_k = tl.load(k_cache_ptr + i_h * stride_kc_h + (o_kn[:, None] + o_kd[None, :]), mask=m)
-        o_vn = i_blk * stride_vc_b + o_t * VC_STRIDE_T
-        b_v = tl.load(v_cache_ptr + i_h * stride_vc_h + (o_vn[:, None] + (o_d * stride_vc_d)[None, :]),
-                      mask=m)
+        if V_PACK > 0:  # [num_blocks, Hkv, block_size // V_PACK, D, V_PACK]
+            o_vn = i_blk * stride_vc_b + (o_t // V_PACK) * (HEAD_D * V_PACK) + o_t % V_PACK
+            b_v = tl.load(v_cache_ptr + i_h * stride_vc_h + (o_vn[:, None] + (o_d * V_PACK)[None, :]),
+                          mask=m)
+        else:
+            o_vn = i_blk * stride_vc_b + o_t * VC_STRIDE_T
+            b_v = tl.load(v_cache_ptr + i_h * stride_vc_h + (o_vn[:, None] + (o_d * stride_vc_d)[None, :]),
+                          mask=m)
         if KV_FP8:
             FP8_TYPE: tl.constexpr = tl.float8e5 if FP8_E5M2 else tl.float8e4nv
             b_k = b_k.to(FP8_TYPE, bitcast=True).to(k_scr_ptr.dtype.element_ty)

@@ -104,6 +104,11 @@ class _Problem:
     alibi: bool
     sinks: bool
     skip_decode: bool
+    causal: bool              # False: new tokens see every new token of their sequence
+    cache_new: bool           # k = v = None: the new tokens' K/V are read from the cache
+    v_pack: int               # interleaved V cache pack factor (0: standard layout)
+    bt_ptr: bool              # b_loc holds K cache block addresses, not ids
+    block_bytes: int          # bytes between K cache blocks (k_cache's stride 0)
     ctx_cap: int              # scratch tokens per sequence (block-table width x block size)
     offs32: bool              # every cache offset fits in int32
     strides: dict             # the kernels' stride constexprs by parameter name
@@ -123,7 +128,8 @@ def plan_prefix_prefill(target: Target, q, k, v, k_cache, v_cache, b_loc, b_star
                         sinks=None, fp8_out_scale=None, *, max_input_len: int,
                         kv_cache_dtype: str = "auto", sliding_window=None, sm_scale=None,
                         skip_decode: bool = False, output_dtype: str | None = None,
-                        config: PrefixPrefillConfig | None = None) -> Plan:
+                        causal: bool = True, interleaved_v_pack_factor: int = 0,
+                        is_block_table_ptr: bool = False, config: PrefixPrefillConfig | None = None) -> Plan:
     """Plan prefix-prefill attention (spec: shared/specs/prefix_prefill.md).
 
     Array arguments are ArrayInfo (``output`` / ``k_scale`` / ``v_scale`` /
@@ -134,13 +140,24 @@ def plan_prefix_prefill(target: Target, q, k, v, k_cache, v_cache, b_loc, b_star
     float32 device arrays named like their argument; the block table, start
     offsets and lengths are device data, so new values never recompile.
     ``config`` overrides the tiling chosen from TILE_CONFIGS / GATHER_TILE_CONFIGS.
+
+    vLLM 0.33's options: ``k`` and ``v`` both None read the new tokens' K/V from
+    the paged cache (positions context_len .. seq_len - 1 through ``b_loc``);
+    ``causal=False`` lets each new token attend to every new token of its
+    sequence; ``interleaved_v_pack_factor=x > 0`` says ``v_cache`` (shape
+    [num_blocks, Hkv, D, block_size], the inner two dims contiguous) holds
+    [num_blocks, Hkv, block_size // x, D, x] in memory; ``is_block_table_ptr``:
+    ``b_loc`` (int64) holds device addresses of K cache blocks (k_cache's data
+    pointer + id * k_cache.stride(0) * itemsize; 0 for an unused slot), turned
+    into ids in the kernels; V blocks are found by the same id.
     """
     check_config(config, (PrefixPrefillConfig,))
     if config is not None:
         _check_tiles(config)
     problem = _validate(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, output, k_scale,
                         v_scale, alibi_slopes, sinks, fp8_out_scale, int(max_input_len),
-                        kv_cache_dtype, sliding_window, sm_scale, bool(skip_decode), output_dtype)
+                        kv_cache_dtype, sliding_window, sm_scale, bool(skip_decode), output_dtype,
+                        bool(causal), interleaved_v_pack_factor, bool(is_block_table_ptr))
     if problem.t == 0 or problem.bsz == 0 or problem.hq == 0 or problem.max_input_len == 0:
         return Plan(problem.buffers, (), ("output",))
     config, pack = _choose_config(problem, config)
@@ -169,9 +186,37 @@ def _check_tiles(config: PrefixPrefillConfig) -> None:
 # ---------------------------------------------------------------- validate
 def _validate(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, output, k_scale, v_scale,
               alibi_slopes, sinks, fp8_out_scale, max_input_len, kv_cache_dtype, sliding_window,
-              sm_scale, skip_decode, output_dtype) -> _Problem:
+              sm_scale, skip_decode, output_dtype, causal=True, v_pack=0,
+              bt_ptr=False) -> _Problem:
+    cache_new = k is None and v is None
+    if (k is None) != (v is None):
+        raise ValueError(f"{'k' if k is None else 'v'}: k and v are both given or both None "
+                         "(None: the new tokens' K/V are read from the paged cache)")
+    if cache_new:
+        check_ndim("k_cache", k_cache, 5, "[num_blocks, Hkv, D // x, block_size, x]")
+        # the new tokens' "k" / "v": shapes for the checks, never read
+        k = v = ArrayInfo.contiguous((q.shape[0] if q.ndim == 3 else 0, k_cache.shape[1],
+                                      q.shape[-1]), q.dtype)
     t, hq, hkv, d = _check_tokens(q, k, v)
     block_size, x, fp8 = _check_cache(k_cache, v_cache, hkv, d, kv_cache_dtype, q.dtype)
+    if isinstance(v_pack, bool) or not isinstance(v_pack, (int, np.integer)) or v_pack < 0:
+        raise ValueError(f"interleaved_v_pack_factor: expected an int >= 0, got {v_pack!r}")
+    v_pack = int(v_pack)
+    if v_pack:
+        if block_size % v_pack:
+            raise ValueError(f"interleaved_v_pack_factor: {v_pack} does not divide the cache "
+                             f"block size {block_size}")
+        if tuple(v_cache.strides[2:]) != (block_size, 1):
+            raise ValueError("v_cache: an interleaved V cache needs its last two dims "
+                             f"contiguous (strides ({block_size}, 1)), got {tuple(v_cache.strides)}")
+    if bt_ptr and b_loc.dtype != "int64":
+        raise TypeError(f"b_loc: a table of block addresses (is_block_table_ptr) must be "
+                        f"int64, got {b_loc.dtype}")
+    if alibi_slopes is not None and not causal:
+        raise ValueError("causal: causal=False is not supported with alibi_slopes (as in vLLM)")
+    if alibi_slopes is not None and cache_new:
+        raise NotImplementedError("k, v: reading the new tokens' K/V from the cache "
+                                  "(k = v = None) is not supported with alibi_slopes")
     _check_scalar_array("k_scale", k_scale, fp8 is not None)
     _check_scalar_array("v_scale", v_scale, fp8 is not None)
     check_ndim("b_loc", b_loc, 2, "[B, max_blocks_per_seq]")
@@ -206,6 +251,8 @@ def _validate(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, output, 
         q_dtype=q.dtype, fp8=fp8, scratch_dtype=q.dtype if fp8 else k_cache.dtype, out_fp8=out_fp8,
         window=window, scale=1.0 / math.sqrt(d) if sm_scale is None else sm_scale,
         alibi=alibi_slopes is not None, sinks=sinks is not None, skip_decode=skip_decode,
+        causal=causal, cache_new=cache_new, v_pack=v_pack, bt_ptr=bt_ptr,
+        block_bytes=k_cache.strides[0] * ITEMSIZE[k_cache.dtype],
         ctx_cap=b_loc.shape[1] * block_size, offs32=offs32, strides=strides,
         table_strides=tuple(b_loc.strides), out_in=out_in, buffers=buffers)
 
@@ -256,7 +303,7 @@ def _fp8_format(name: str, info: ArrayInfo, kv_cache_dtype: str, q_dtype: str):
     fmt = KV_CACHE_DTYPES[kv_cache_dtype]
     if fmt is None:
         if info.dtype == "uint8":
-            raise TypeError(f"{name}: a uint8 cache needs kv_cache_dtype 'fp8', 'fp8_e4m3' "
+            raise ValueError(f"{name}: a uint8 cache needs kv_cache_dtype 'fp8', 'fp8_e4m3' "
                             "or 'fp8_e5m2' to say how to read it, got 'auto'")
         if info.dtype in FP8_DTYPES:
             return info.dtype
@@ -364,7 +411,8 @@ def _gather_launch(p: _Problem) -> Launch:
             HEAD_D=p.d, BLOCK_D=p.block_d, GATHER_N=gather_n, CACHE_BLOCK=p.block_size, X=p.x,
             NUM_KV_HEADS=p.hkv, HAS_WINDOW=p.window > 0, WINDOW=p.window, SKIP_DECODE=p.skip_decode,
             KV_FP8=p.fp8 is not None, FP8_E5M2=p.fp8 == "float8_e5m2",
-            **{n: p.strides[n] for n in _CACHE_STRIDES}),
+            **{n: p.strides[n] for n in _CACHE_STRIDES}, CACHE_NEW=p.cache_new, V_PACK=p.v_pack,
+            BT_PTR=p.bt_ptr, BLOCK_BYTES=p.block_bytes if p.bt_ptr else 1),
         num_warps=4, num_stages=1)
 
 
@@ -374,7 +422,7 @@ def _attention_launch(p: _Problem, config: PrefixPrefillConfig, pack: int) -> La
         kernel=_prefix_prefill_kernel,
         grid=(cdiv(p.max_input_len, config.block_m // pack), p.hq // pack, p.bsz),
         params=dict(
-            q_ptr="q", k_ptr="k", v_ptr="v", k_cache_ptr="k_cache", v_cache_ptr="v_cache",
+            q_ptr="q", k_ptr="q" if p.cache_new else "k", v_ptr="q" if p.cache_new else "v", k_cache_ptr="k_cache", v_cache_ptr="v_cache",
             # absent optional arrays: any valid pointer, never read
             k_scale_ptr="k_scale" if p.fp8 else "q", v_scale_ptr="v_scale" if p.fp8 else "q",
             alibi_ptr="alibi_slopes" if p.alibi else "q", sinks_ptr="sinks" if p.sinks else "q",
@@ -390,6 +438,8 @@ def _attention_launch(p: _Problem, config: PrefixPrefillConfig, pack: int) -> La
             NUM_KV_HEADS=p.hkv, KV_FP8=p.fp8 is not None, FP8_E5M2=p.fp8 == "float8_e5m2",
             HAS_ALIBI=p.alibi, HAS_WINDOW=p.window > 0, WINDOW=p.window, HAS_SINKS=p.sinks,
             SKIP_DECODE=p.skip_decode, OUT_FP8=p.out_fp8 is not None,
+            IS_CAUSAL=p.causal, CACHE_NEW=p.cache_new, V_PACK=p.v_pack,
+            BT_PTR=p.bt_ptr, BLOCK_BYTES=p.block_bytes if p.bt_ptr else 1,
             FP8_MAX=FP8_MAX.get(p.out_fp8, 0.0),
             **dict(zip(("FP8_MANT_BITS", "FP8_MIN_NORMAL", "FP8_SUBNORMAL_MAGIC"),
                        FP8_ROUNDING.get(p.out_fp8, (0, 0.0, 0.0)))),

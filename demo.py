@@ -92,7 +92,7 @@ def blocksparse_case(seqlens, hq, hkv, d, dtype, block=64, local=16, stride=8):
     import jax.numpy as jnp
     import adapters.jax as aj
     import adapters.torch as at
-    from core_kernels.blocksparse_attention import get_sparse_attn_mask
+    from core_kernels.blocksparse_attention import build_sparse_layout
     from core_kernels.blocksparse_attention.reference import blocksparse_attention_reference
     tdt = getattr(torch, dtype)
     total = sum(seqlens)
@@ -101,7 +101,7 @@ def blocksparse_case(seqlens, hq, hkv, d, dtype, block=64, local=16, stride=8):
     k = torch.randn(total, hkv, d, dtype=tdt, device=DEVICE)
     v = torch.randn(total, hkv, d, dtype=tdt, device=DEVICE)
     max_seqlen = max(seqlens)
-    (crow, col), mask = get_sparse_attn_mask(hq, max_seqlen, block, local, stride, homo_head=False)
+    (crow, col), mask = build_sparse_layout(hq, max_seqlen, block, local, stride, homo_head=False)
     layout_t = (torch.from_numpy(np.array(crow)).to(DEVICE), torch.from_numpy(np.array(col)).to(DEVICE))
     run_torch = lambda: at.blocksparse_flash_attn_varlen_fwd(  # noqa: E731
         q, k, v, cu, cu, None, layout_t, block_size=block, max_seqlen=max_seqlen)

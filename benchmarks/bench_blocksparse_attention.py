@@ -61,7 +61,7 @@ def run():
     import adapters.jax as aj
     import adapters.torch as at
     from adapters.torch._executor import info, run_plan, target_for
-    from core_kernels.blocksparse_attention import (BlocksparsePrefillConfig, get_sparse_attn_mask,
+    from core_kernels.blocksparse_attention import (BlocksparsePrefillConfig, build_sparse_layout,
                                                     plan_blocksparse_attention)
 
     m = BLOCKSPARSE_MODEL
@@ -76,7 +76,7 @@ def run():
         if only and only not in name:
             continue
         max_seqlen = max(lens_k)
-        (crow_np, col_np), block_mask = get_sparse_attn_mask(
+        (crow_np, col_np), block_mask = build_sparse_layout(
             hq, max_seqlen, bs, m["local_blocks"], m["vert_stride"], m["homo_head"])
         crow, col = torch.from_numpy(crow_np.copy()).cuda(), torch.from_numpy(col_np.copy()).cuda()
         cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32, device="cuda")

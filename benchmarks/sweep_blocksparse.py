@@ -17,7 +17,7 @@ from benchmarks.bench_blocksparse_attention import allowed_pairs
 from benchmarks.registry import BLOCKSPARSE_MODEL as M
 from benchmarks.timing import graph_time_torch, host_overhead, kernel_time_torch
 from core_kernels.blocksparse_attention import (BlocksparseDecodeConfig, BlocksparseGroupDecodeConfig,
-                                                BlocksparsePrefillConfig, choose_config, get_sparse_attn_mask,
+                                                BlocksparsePrefillConfig, choose_config, build_sparse_layout,
                                                 plan_blocksparse_attention)
 import adapters.torch as at
 
@@ -28,7 +28,7 @@ rows = []
 
 def shape(lens_k, lens_q):
     max_seqlen = max(lens_k)
-    (crow_np, col_np), bm = get_sparse_attn_mask(HQ, max_seqlen, BS, M["local_blocks"], M["vert_stride"],
+    (crow_np, col_np), bm = build_sparse_layout(HQ, max_seqlen, BS, M["local_blocks"], M["vert_stride"],
                                                  M["homo_head"])
     crow, col = torch.from_numpy(crow_np.copy()).cuda(), torch.from_numpy(col_np.copy()).cuda()
     cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32, device="cuda")

@@ -4,7 +4,9 @@ The reference applies the exact token-level mask built from the spec's layout
 formula (reference.formula_block_mask), never the builder's output, so the
 layout builder and the kernels are checked independently.
 """
+import contextlib
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from core_kernels._target import Target
 from core_kernels.blocksparse_attention import (BlocksparseDecodeConfig, BlocksparseGroupDecodeConfig,
                                                 BlocksparsePrefillConfig, blocksparse_attention_reference,
                                                 choose_config, crow_col_to_dense, formula_block_mask,
-                                                get_sparse_attn_mask, plan_blocksparse_attention)
+                                                build_sparse_layout, plan_blocksparse_attention)
 from harness import (DEVICE, FLOAT_DTYPES, GPU, JaxAdapter, TorchAdapter, assert_bitwise_equal,
                      assert_close, cast, requires_gpu, rng, to_jax, to_torch, torch_to_numpy)
 import adapters.torch as at
@@ -71,7 +73,7 @@ def case_inputs(name, dtype, seed=None):
     hq, hkv, d, bs, local, stride, homo, head_range, qbs, (lens_k, lens_q) = CASES[name]
     global_heads = hq if head_range is None else 8
     max_seqlen = max(lens_k)
-    (crow, col), _ = get_sparse_attn_mask(global_heads, max_seqlen, bs, local, stride, homo, head_range)
+    (crow, col), _ = build_sparse_layout(global_heads, max_seqlen, bs, local, stride, homo, head_range)
     heads = range(*(head_range or (0, hq)))
     nb = -(-max_seqlen // bs)
     block_mask = formula_block_mask(global_heads, nb, local, stride, homo, heads)
@@ -92,7 +94,7 @@ def decode_batch(batch, dtype, hq=4, hkv=2, d=24, seed=None):
     g = rng(seed)
     lens = list(g.integers(1, 120, batch))
     lens[0] = 1
-    (crow, col), _ = get_sparse_attn_mask(hq, 128, 16, 2, 3, False)
+    (crow, col), _ = build_sparse_layout(hq, 128, 16, 2, 3, False)
     q, k, v, cu_k, _ = make_batch(lens, None, hq, hkv, d, dtype, seed)
     return (q, k, v, cu_k, None), (crow, col), formula_block_mask(hq, 8, 2, 3, False)
 
@@ -113,6 +115,25 @@ def run_plan_torch(q, k, v, cu_k, crow, col, block_size, cu_q=None, **options):
     return torch_to_numpy(out), kernel_names(plan)
 
 
+def as_int64(*arrays):
+    return tuple(None if a is None else np.asarray(a).astype(np.int64) for a in arrays)
+
+
+def vllm_mask_expected(n_heads, q_len, max_seqlen, bs, local, stride, homo):
+    """Independent numpy: (block mask [H or -, NB, NB], CSR rows as dense [H, nbq, NB],
+    token mask [H, q_len, max_seqlen]) from the spec's formula, query i at
+    absolute position max_seqlen - q_len + i."""
+    nb = -(-max_seqlen // bs)
+    formula = formula_block_mask(n_heads, nb, local, stride, homo)
+    nbq = -(-q_len // bs)
+    dense = np.zeros((n_heads, q_len, max_seqlen), bool)
+    for i in range(q_len):
+        p = max_seqlen - q_len + i
+        for j in range(p + 1):
+            dense[:, i, j] = formula[:, p // bs, j // bs]
+    return (formula[0] if homo else formula), formula[:, nb - nbq:], dense
+
+
 # ------------------------------------------------------------------ layout builder
 @pytest.mark.parametrize("n_heads,max_seqlen,bs,local,stride,homo,head_range", [
     (4, 300, 16, 2, 3, True, None), (4, 300, 16, 2, 3, False, None), (32, 1000, 64, 16, 8, False, None),
@@ -120,7 +141,7 @@ def run_plan_torch(q, k, v, cu_k, crow, col, block_size, cu_q=None, **options):
     (40, 2048, 64, 16, 8, False, (8, 16)),
 ], ids=str)
 def test_layout_matches_formula(n_heads, max_seqlen, bs, local, stride, homo, head_range):
-    (crow, col), block_mask = get_sparse_attn_mask(n_heads, max_seqlen, bs, local, stride, homo,
+    (crow, col), block_mask = build_sparse_layout(n_heads, max_seqlen, bs, local, stride, homo,
                                                    head_range)
     nb = -(-max_seqlen // bs)
     heads = range(*(head_range or (0, n_heads)))
@@ -134,18 +155,16 @@ def test_layout_matches_formula(n_heads, max_seqlen, bs, local, stride, homo, he
             row = col[h, crow[h, r]:crow[h, r + 1]]
             assert np.all(np.diff(row) > 0) and r in row, "columns ascending, diagonal present"
     assert col.shape[1] == crow[:, -1].max()
-    again = get_sparse_attn_mask(n_heads, max_seqlen, bs, local, stride, homo, head_range)
+    again = build_sparse_layout(n_heads, max_seqlen, bs, local, stride, homo, head_range)
     assert again[1] is block_mask, "cached"
     with pytest.raises(ValueError):
         block_mask[0, 0, 0] = False  # read-only: the cache cannot be corrupted
 
 
-def test_layout_reexported_and_fast():
+def test_layout_fast():
     import time
-    import adapters.jax as aj
-    assert at.get_sparse_attn_mask is aj.get_sparse_attn_mask is get_sparse_attn_mask
     t0 = time.perf_counter()
-    get_sparse_attn_mask(32, 32768, 64, 16, 8, False, (0, 31))  # uncached: 31 x 512 x 512
+    build_sparse_layout(32, 32768, 64, 16, 8, False, (0, 31))  # uncached: 31 x 512 x 512
     assert time.perf_counter() - t0 < 2.0, "the builder must be vectorised"
 
 
@@ -158,7 +177,45 @@ def test_layout_errors(kwargs, name):
     args = dict(n_heads=4, max_seqlen=128, block_size=16, local_blocks=2, vert_stride=2)
     args.update(kwargs)
     with pytest.raises(ValueError, match=name):
-        get_sparse_attn_mask(**args)
+        build_sparse_layout(**args)
+
+
+def test_vllm_mask_parts_and_sliding_step():
+    """The core numpy parts of vLLM's get_sparse_attn_mask; get_head_sliding_step."""
+    from core_kernels.blocksparse_attention import get_head_sliding_step, vllm_sparse_attn_mask
+    for args in ((4, 100, 100, 16, 2, 3, False), (3, 40, 100, 32, 1, 2, True), (5, 64, 64, 16, 4, 8, False)):
+        n, q_len, ms, bs, local, stride, homo = args
+        (crow, col), block, dense = vllm_sparse_attn_mask(n, q_len, ms, bs, local, stride, homo, True)
+        want_block, want_rows, want_dense = vllm_mask_expected(*args)
+        np.testing.assert_array_equal(block, want_block)
+        assert crow.dtype == col.dtype == np.int64 and crow.shape[0] == col.shape[0] == n
+        np.testing.assert_array_equal(crow_col_to_dense(crow, col, block.shape[-1])[:, :crow.shape[1] - 1],
+                                      want_rows)
+        np.testing.assert_array_equal(dense, want_dense)
+        assert vllm_sparse_attn_mask(n, q_len, ms, bs, local, stride, homo)[2] is None
+    for n, stride, homo, step in ((32, 8, False, 1), (4, 8, False, 2), (3, 8, False, 2), (4, 8, True, 0),
+                                  (16, 64, False, 4), (1, 1, False, 1)):
+        assert get_head_sliding_step(n, stride, homo) == step
+        assert at.get_head_sliding_step(n, stride, homo) == step
+    assert get_head_sliding_step(4, 8) == 2, "homo_head defaults to False"
+    with pytest.raises(ValueError, match="q_len"):
+        vllm_sparse_attn_mask(2, 65, 64)
+
+
+def test_index_dtypes_in_plans():
+    """int32 and int64 index arrays plan (each as given); other types name the argument."""
+    (q, k, v, cu_k, cu_q), (crow, col), _, opts = case_inputs("mixed-perhead", "float32")
+    base = infos(q, k, v, cu_k, cu_q, crow, col)
+    for pos in (3, 4, 5, 6):
+        for dtype in ("int64", "int32"):
+            args = list(base)
+            args[pos] = ArrayInfo.contiguous(args[pos].shape, dtype)
+            assert plan_blocksparse_attention(Target.interpreter(), *args, **opts).launches
+        args = list(base)
+        args[pos] = ArrayInfo.contiguous(args[pos].shape, "int16")
+        name = ("cu_seqlens_k", "cu_seqlens_q", "sparse_layout (crow)", "sparse_layout (col)")[pos - 3]
+        with pytest.raises(TypeError, match=re.escape(name)):
+            plan_blocksparse_attention(Target.interpreter(), *args, **opts)
 
 
 # ------------------------------------------------------------------ plans (no kernels run)
@@ -178,7 +235,7 @@ def test_decode_splits_follow_the_sm_count():
     # GQA-packed decode (64 x 8 KV heads, 64 key blocks): splits = 4 * SMs / 512 programs
     q = ArrayInfo.contiguous((64, 32, 128), "bfloat16")
     k = ArrayInfo.contiguous((64 * 4096, 8, 128), "bfloat16")
-    (crow, col), _ = get_sparse_attn_mask(32, 4096, 64, 16, 8, False)
+    (crow, col), _ = build_sparse_layout(32, 4096, 64, 16, 8, False)
     args = (q, k, k, ArrayInfo.contiguous((65,), "int32"), None, ArrayInfo.contiguous(crow.shape, "int32"),
             ArrayInfo.contiguous(col.shape, "int32"))
     for sms, splits in ((132, 2), (33, 1), (528, 4)):
@@ -244,7 +301,7 @@ def test_decode_configs_refuse_other_batches(config, inputs):
 
 def test_gpu_test_plans_build():
     """The plans the GPU tests below run, made for the H200 here (no kernels run)."""
-    (crow, col), _ = get_sparse_attn_mask(32, 4096, 64, 16, 8, False)
+    (crow, col), _ = build_sparse_layout(32, 4096, 64, 16, 8, False)
     q, k, v, cu_k, cu_q = make_batch([2048, 1500, 900, 4096], [2048, 1, 333, 1], 32, 8, 128, "float16")
     plan = plan_blocksparse_attention(H200, *infos(q, k, v, cu_k, cu_q, crow, col), block_size=64,
                                       max_seqlen=4096)
@@ -255,7 +312,7 @@ def test_gpu_test_plans_build():
     q, k, v, cu_k, _ = make_batch([4096, 1, 64, 65, 1000, 3000, 4095, 2049], None, 32, 8, 128, "float16")
     plan = plan_blocksparse_attention(H200, *infos(q, k, v, cu_k, None, crow, col), block_size=64)
     assert kernel_names(plan) == ["_bsattn_decode_group_kernel", "_bsattn_combine_kernel"]
-    (crow, col), _ = get_sparse_attn_mask(32, 2048, 64, 16, 8, False)
+    (crow, col), _ = build_sparse_layout(32, 2048, 64, 16, 8, False)
     for lens_q in (None, [700, 300]):
         q, k, v, cu_k, cu_q = make_batch([700, 1300], lens_q, 32, 8, 128, "float16")
         plan = plan_blocksparse_attention(H200, *infos(q, k, v, cu_k, cu_q, crow, col), block_size=64,
@@ -282,7 +339,7 @@ def test_decode_group_packed(case):
     if kind == "user":
         (crow, col), mask = random_user_layout(g, hq, nb)
     else:
-        (crow, col), _ = get_sparse_attn_mask(hq, nb * bs, bs, 2, 3, False)
+        (crow, col), _ = build_sparse_layout(hq, nb * bs, bs, 2, 3, False)
         mask = formula_block_mask(hq, nb, 2, 3, False)
     q, k, v, cu_k, _ = make_batch(lens, None, hq, hkv, d, "float32")
     if config is None:
@@ -296,8 +353,8 @@ def test_decode_group_packed(case):
 # ------------------------------------------------------------------ the adapters
 def _bad_cases():
     q, k, v, cu_k, cu_q = make_batch([40, 20], [40, 5], 4, 2, 16, "float32")
-    (crow, col), _ = get_sparse_attn_mask(4, 64, 16, 2, 2, False)
-    (crow3, col3), _ = get_sparse_attn_mask(3, 64, 16, 2, 2, False)
+    (crow, col), _ = build_sparse_layout(4, 64, 16, 2, 2, False)
+    (crow3, col3), _ = build_sparse_layout(3, 64, 16, 2, 2, False)
     base = dict(q=q, k=k, v=v, cu_k=cu_k, cu_q=cu_q, crow=crow, col=col, bs=16, qbs=None, ms=None)
     return base, [
         ("sparse_layout", dict(crow=crow3, col=col3)),                  # 3 layout heads vs Hq = 4
@@ -305,7 +362,7 @@ def _bad_cases():
         ("q_block_size", dict(qbs=24)),
         ("v: shape", dict(v=v[:, :1])),
         ("cu_seqlens_q", dict(cu_q=cu_q[:2])),
-        ("cu_seqlens_k", dict(cu_k=cu_k.astype(np.int64))),
+        ("cu_seqlens_k", dict(cu_k=cu_k.astype(np.float32))),
         ("cu_seqlens_q", dict(q=q[:7])),                                 # neither B nor Tk tokens, no cu_q
         ("k: dtype", dict(k=k.astype(np.float16))),
         ("head size", dict(q=np.zeros((45, 4, 300), np.float32), k=np.zeros((60, 2, 300), np.float32),
@@ -384,14 +441,14 @@ class BlocksparseTests:
             assert_close(out, ref, "float32", "user layout", scale=2.0)
 
     def test_broadcast_layout_and_scale(self):
-        (crow, col), _ = get_sparse_attn_mask(1, 128, 16, 2, 3, True)
+        (crow, col), _ = build_sparse_layout(1, 128, 16, 2, 3, True)
         q, k, v, cu_k, cu_q = make_batch(*MIXED, 4, 1, 32, "float16")
         out = self.attend(q, k, v, cu_k, cu_q, (crow[0], col[0]), block_size=16, sm_scale=0.05)
         ref = reference(q, k, v, cu_k, cu_q, formula_block_mask(1, 8, 2, 3), 16, sm_scale=0.05)
         assert_close(out, ref, "float16", "1-D layout broadcast")
 
     def test_empty_batch(self):
-        (crow, col), _ = get_sparse_attn_mask(2, 64, 16, 2, 2)
+        (crow, col), _ = build_sparse_layout(2, 64, 16, 2, 2)
         q, k, v, cu_k, cu_q = make_batch([0], [0], 2, 2, 16, "float32")
         out = self.attend(q, k, v, cu_k, cu_q, (crow, col), block_size=16)
         assert out.shape == (0, 2, 16)
@@ -414,8 +471,6 @@ class BlocksparseTests:
         a = {**base, **repl}
         if name == "cu_seqlens_q" and "q" in repl:
             a["cu_q"] = None
-        if self.adapter == "jax" and name == "cu_seqlens_k":
-            pytest.skip("JAX without x64 turns int64 into int32")
         with pytest.raises((ValueError, TypeError), match=name):
             self.attend(a["q"], a["k"], a["v"], a["cu_k"], a["cu_q"], (a["crow"], a["col"]),
                         block_size=a["bs"], q_block_size=a["qbs"], max_seqlen=a["ms"])
@@ -427,8 +482,150 @@ class BlocksparseTests:
             self.module_cls(4, 128, 2, 3, 16, active_head_range=(0, 5))
 
 
+    # ---- int64 indices and vLLM's surface
+    ops = None               # the adapter module
+
+    def x64(self):
+        """A context in which int64 arrays stay int64 (JAX: jax_enable_x64)."""
+        return contextlib.nullcontext()
+
+    def fdtype(self, name):
+        raise NotImplementedError
+
+    @pytest.mark.parametrize("case", ["mixed-perhead", "qblock2x", "decode", "decode-packed"])
+    def test_int64_indices(self, case):
+        """int64 cu_seqlens and CSR (vLLM's layouts are int64): bitwise the int32 result."""
+        config = None
+        if case.startswith("decode"):
+            (q, k, v, cu_k, cu_q), (crow, col), mask = decode_batch(3, "float32")
+            opts = dict(block_size=16)
+            config = BlocksparseGroupDecodeConfig(2, 4) if case == "decode-packed" else None
+        else:
+            (q, k, v, cu_k, cu_q), (crow, col), mask, opts = case_inputs(case, "float32")
+        out32 = self.attend(q, k, v, cu_k, cu_q, (crow, col), **opts, config=config)
+        with self.x64():
+            cu_k64, cu_q64, crow64, col64 = as_int64(cu_k, cu_q, crow, col)
+            assert self.array(cu_k64).dtype == self.array(crow64).dtype == self.index_dtype64
+            out64 = self.attend(q, k, v, cu_k64, cu_q64, (crow64, col64), **opts, config=config)
+            mixed = self.attend(q, k, v, cu_k, cu_q64, (crow64, col), **opts, config=config)
+        assert_bitwise_equal(out64, out32, case)
+        assert_bitwise_equal(mixed, out32, case + " mixed widths")
+        assert_close(out64, reference(q, k, v, cu_k, cu_q, mask, opts["block_size"],
+                                      q_block_size=opts.get("q_block_size")), "float32", case, scale=2.0)
+
+    @pytest.mark.parametrize("args", [
+        (4, 128, 128, 16, 2, 3, False, "binary"), (4, 50, 100, 16, 2, 3, False, "bias"),
+        (3, 100, 100, 32, 1, 2, True, "bias"), (2, 7, 64, 16, 3, 2, True, "binary"),
+    ], ids=str)
+    def test_get_sparse_attn_mask_vllm(self, args):
+        """vLLM's get_sparse_attn_mask: positional order, result structure, dtypes."""
+        n, q_len, ms, bs, local, stride, homo, kind = args
+        want_block, want_rows, want_dense = vllm_mask_expected(n, q_len, ms, bs, local, stride, homo)
+        with self.x64():
+            (crow, col), block, dense = self.ops.get_sparse_attn_mask(
+                n, q_len, ms, self.fdtype("float16"), self.device, bs, local, stride, homo, True, kind)
+            assert crow.dtype == col.dtype == self.index_dtype64
+        assert block.dtype == dense.dtype == self.fdtype("float16")
+        crow, col, block, dense = map(self.numpy, (crow, col, block, dense))
+        nb, nbq = -(-ms // bs), -(-q_len // bs)
+        assert crow.shape == (n, nbq + 1) and col.shape[0] == n
+        np.testing.assert_array_equal(block, want_block.astype(np.float16))
+        np.testing.assert_array_equal(crow_col_to_dense(crow, col, nb)[:, :nbq], want_rows)
+        assert np.all(col[np.arange(col.shape[1])[None, :] >= crow[:, -1:]] == -1), "padded with -1"
+        expect = np.where(want_dense, 1.0, 0.0) if kind == "binary" else np.where(want_dense, 0.0, -np.inf)
+        np.testing.assert_array_equal(dense.astype(np.float64), expect)
+        # defaults: block_size 64, local 4, stride 4, homo, no dense mask
+        (crow, col), block, dense = self.ops.get_sparse_attn_mask(2, 300, 300, self.fdtype("float32"),
+                                                                  self.device)
+        assert dense is None and tuple(block.shape) == (5, 5)
+        np.testing.assert_array_equal(self.numpy(block), formula_block_mask(1, 5, 4, 4)[0].astype(np.float32))
+
+    def test_get_sparse_attn_mask_errors(self):
+        with pytest.raises(ValueError, match="dense_mask_type"):
+            self.ops.get_sparse_attn_mask(2, 64, 64, self.fdtype("float32"), self.device,
+                                          dense_mask_type="additive")
+        with pytest.raises(ValueError, match="q_len"):
+            self.ops.get_sparse_attn_mask(2, 65, 64, self.fdtype("float32"), self.device)
+
+    def test_module_vllm_surface(self):
+        """vLLM's constructor, attributes, get_attn_pattern, varlen_attn / forward."""
+        attn = self.module_cls(8, 128, 2, 4, 16, self.device, None, False, (4, 8))
+        assert (attn.n_heads, attn.max_seqlen, attn.local_blocks, attn.vert_stride, attn.block_size) == \
+            (8, 128, 2, 4, 16)
+        assert (attn.homo_head, attn.active_head_range, attn.q_block_size, attn.use_spda) == \
+            (False, (4, 8), None, False)
+        assert attn.head_sliding_step == 1 and attn.dense_attn_mask is None
+        assert attn.dtype == self.fdtype("bfloat16")
+        crow, col = map(self.numpy, attn.sparse_layout)
+        formula = formula_block_mask(8, 8, 2, 4, False)
+        np.testing.assert_array_equal(crow_col_to_dense(crow, col, 8), formula[4:])
+        with self.x64():
+            (pcrow, pcol), pattern, dense = attn.get_attn_pattern(self.fdtype("float32"), self.device)
+        assert dense is None and tuple(pattern.shape) == (8, 8, 8) and tuple(pcrow.shape) == (4, 9)
+        np.testing.assert_array_equal(self.numpy(pattern), formula.astype(np.float32))
+        np.testing.assert_array_equal(crow_col_to_dense(self.numpy(pcrow), self.numpy(pcol), 8), formula[4:])
+        q, k, v, cu_k, cu_q = make_batch(*MIXED, 4, 2, 16, "float32")
+        ref = reference(q, k, v, cu_k, cu_q, formula[4:], 16, sm_scale=0.2)
+        with self.x64():
+            args = [self.array(x) for x in (q, k, v, *as_int64(cu_k, cu_q))]
+            out = self.numpy(attn.varlen_attn(*args, sm_scale=0.2))
+            assert_bitwise_equal(self.numpy(attn.forward(*args, sm_scale=0.2)), out, "forward")
+        assert_close(out, ref, "float32", "varlen_attn")
+
+    def test_module_spda(self):
+        """use_spda=True: the dense fallback (prefill only) against the reference."""
+        attn = self.module_cls(6, 128, 2, 3, 16, self.device, self.fdtype("float32"), False, (2, 6),
+                               use_spda=True)
+        assert attn.use_spda and tuple(attn.dense_attn_mask.shape) == (4, 128, 128)
+        q, k, v, cu_k, _ = make_batch([70, 33, 100, 1], None, 4, 2, 16, "float32")
+        q = cast(rng().standard_normal((k.shape[0], 4, 16)), "float32")
+        mask = formula_block_mask(6, 8, 2, 3, False)[2:]
+        args = [self.array(x) for x in (q, k, v, cu_k)]
+        out = self.numpy(attn(*args))
+        assert_close(out, reference(q, k, v, cu_k, None, mask, 16), "float32", "spda", scale=4.0)
+        out = self.numpy(attn.spda(*args, cu_seqlens_q=args[3], sm_scale=0.3))
+        assert_close(out, reference(q, k, v, cu_k, None, mask, 16, sm_scale=0.3), "float32", "spda",
+                     scale=4.0)
+        half = [self.array(x) for x in (cast(q, "float16"), cast(k, "float16"), cast(v, "float16"))]
+        out = self.numpy(attn.spda(*half, args[3]))                       # the mask follows q's dtype
+        assert out.dtype == np.float16
+        assert_close(out, reference(cast(q, "float16"), cast(k, "float16"), cast(v, "float16"), cu_k, None,
+                                    mask, 16), "float16", "spda fp16", scale=4.0)
+        with pytest.raises(ValueError, match="prefill"):
+            attn.spda(args[0][:4], *args[1:])
+        with pytest.raises(ValueError, match="config"):
+            attn(*args, config=BlocksparsePrefillConfig(16, 16))
+
+    def test_transpose_and_pad_unpad(self):
+        g = rng()
+        lens = [5, 0, 9, 3]
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        x = cast(g.standard_normal((cu[-1], 3, 4)), "float32")
+        padded = self.numpy(self.module_cls.transpose_and_pad(self.array(x), self.array(cu), 10, 2))
+        want = np.zeros((4, 6, 10, 4), np.float32)
+        for i, n in enumerate(lens):
+            for h in range(6):
+                want[i, h, :n] = x[cu[i]:cu[i + 1], h // 2]
+        assert_bitwise_equal(padded, want, "transpose_and_pad")
+        back = self.module_cls.transpose_and_unpad(self.array(want[:, ::2].copy()), self.array(cu))
+        assert_bitwise_equal(self.numpy(back), x, "transpose_and_unpad")
+
+
 class TestTorch(TorchAdapter, BlocksparseTests):
     module_cls = at.LocalStridedBlockSparseAttn
+    ops = at
+    device = DEVICE
+    index_dtype64 = torch.int64
+
+    def fdtype(self, name):
+        return getattr(torch, name)
+
+    def test_get_sparse_attn_mask_homo_views(self):
+        """homo_head: crow/col/dense expanded over the heads (as vLLM's), on the device."""
+        (crow, col), block, dense = at.get_sparse_attn_mask(4, 64, 64, torch.float32, DEVICE, 16, 2, 3,
+                                                            True, True, "bias")
+        assert crow.stride(0) == col.stride(0) == dense.stride(0) == 0
+        assert crow.device.type == block.device.type == dense.device.type == torch.device(DEVICE).type
 
     def attend(self, q, k, v, cu_k, cu_q, layout, *, block_size, q_block_size=None, max_seqlen=None,
                sm_scale=None, config=None):
@@ -456,7 +653,7 @@ class TestTorch(TorchAdapter, BlocksparseTests):
         assert_close(torch_to_numpy(out), 3 * ref, "float32", "compiled")
 
     def test_plan_cached_and_grid_static(self):
-        (crow, col), _ = get_sparse_attn_mask(4, 128, 16, 2, 3, False)
+        (crow, col), _ = build_sparse_layout(4, 128, 16, 2, 3, False)
         q, k, v, cu_k, cu_q = make_batch(*MIXED, 4, 2, 16, "float32")
         self.attend(q, k, v, cu_k, cu_q, (crow, col), block_size=16)
         before = plan_blocksparse_attention.cache_info()
@@ -491,10 +688,39 @@ class TestTorch(TorchAdapter, BlocksparseTests):
 
 
 class TestJax(JaxAdapter, BlocksparseTests):
+    device = None
+
     @property
     def module_cls(self):
         import adapters.jax as aj
         return aj.LocalStridedBlockSparseAttn
+
+    @property
+    def ops(self):
+        import adapters.jax as aj
+        return aj
+
+    @property
+    def index_dtype64(self):
+        import jax.numpy as jnp
+        return jnp.int64
+
+    def x64(self):
+        import jax
+        return jax.enable_x64(True)
+
+    def fdtype(self, name):
+        import jax.numpy as jnp
+        return jnp.dtype(name)
+
+    def test_spda_under_jit(self):
+        import jax
+        attn = self.module_cls(4, 128, 2, 3, 16, dtype=self.fdtype("float32"), use_spda=True)
+        q, k, v, cu_k, _ = make_batch([70, 33], [70, 33], 4, 2, 16, "float32")
+        out = jax.jit(lambda *a: attn(*a))(*map(to_jax, (q, k, v, cu_k)))  # pads to max_seqlen
+        mask = formula_block_mask(4, 8, 2, 3, False)
+        assert_close(self.numpy(out), reference(q, k, v, cu_k, None, mask, 16), "float32", "jit spda",
+                     scale=4.0)
 
     def attend(self, q, k, v, cu_k, cu_q, layout, *, block_size, q_block_size=None, max_seqlen=None,
                sm_scale=None, config=None, jit=False):
@@ -533,11 +759,30 @@ def test_torch_and_jax_bitwise_equal(dtype, case):
     j = TestJax().attend(q, k, v, cu_k, cu_q, layout, jit=True, **opts)
     assert_bitwise_equal(t, j, case)
     lens = [5, 100, 64]
-    (crow, col), _ = get_sparse_attn_mask(4, 128, 16, 2, 3, False)
+    (crow, col), _ = build_sparse_layout(4, 128, 16, 2, 3, False)
     q, k, v, cu_k, _ = make_batch(lens, None, 4, 2, 32, dtype)
     t = TestTorch().attend(q, k, v, cu_k, None, (crow, col), block_size=16)
     j = TestJax().attend(q, k, v, cu_k, None, (crow, col), block_size=16, jit=True)
     assert_bitwise_equal(t, j, "decode")
+
+
+def test_torch_and_jax_vllm_surface_bitwise_equal():
+    """get_sparse_attn_mask and the module (int64 indices) agree bit for bit across frameworks."""
+    import jax
+    import adapters.jax as aj
+    with jax.enable_x64(True):
+        for homo in (False, True):
+            t = at.get_sparse_attn_mask(4, 60, 100, torch.float32, DEVICE, 16, 2, 3, homo, True, "bias")
+            j = aj.get_sparse_attn_mask(4, 60, 100, jax.numpy.float32, None, 16, 2, 3, homo, True, "bias")
+            for a, b in zip((*t[0], *t[1:]), (*j[0], *j[1:])):
+                assert_bitwise_equal(torch_to_numpy(a), np.asarray(b), f"mask homo={homo}")
+        q, k, v, cu_k, cu_q = make_batch(*MIXED, 4, 2, 16, "float32")
+        cu_k, cu_q = as_int64(cu_k, cu_q)
+        tm = at.LocalStridedBlockSparseAttn(8, 128, 2, 4, 16, DEVICE, None, False, (4, 8), 32)
+        jm = aj.LocalStridedBlockSparseAttn(8, 128, 2, 4, 16, None, None, False, (4, 8), 32)
+        t = torch_to_numpy(tm(*map(to_torch, (q, k, v, cu_k, cu_q))))
+        j = np.asarray(jax.jit(lambda *a: jm(*a))(*map(to_jax, (q, k, v, cu_k, cu_q))))
+    assert_bitwise_equal(t, j, "module int64")
 
 
 @requires_gpu
@@ -545,7 +790,7 @@ def test_torch_and_jax_bitwise_equal(dtype, case):
 def test_gpu_phi3_small_vs_reference_and_bitwise(dtype):
     torch_, jax_ = TestTorch(), TestJax()
     lens_k, lens_q = [2048, 1500, 900, 4096], [2048, 1, 333, 1]
-    (crow, col), _ = get_sparse_attn_mask(32, 4096, 64, 16, 8, False)
+    (crow, col), _ = build_sparse_layout(32, 4096, 64, 16, 8, False)
     q, k, v, cu_k, cu_q = make_batch(lens_k, lens_q, 32, 8, 128, dtype)
     t = torch_.attend(q, k, v, cu_k, cu_q, (crow, col), block_size=64, max_seqlen=4096)
     j = jax_.attend(q, k, v, cu_k, cu_q, (crow, col), block_size=64, max_seqlen=4096, jit=True)

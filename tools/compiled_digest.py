@@ -100,6 +100,28 @@ def prefix_cases():
     yield "prefix float16 paged sinks+skip_decode+fp8 out", _call(
         p, *paged, _ai((t, 32, 128), "float8_e4m3fn"), None, None, None, _ai((32,), "float32"),
         _ai((1,), "float32"), max_input_len=q, skip_decode=True)
+    # vLLM 0.33's options (2026-11-24): interleaved V, K/V of the new tokens from
+    # the cache (k = v = None), causal=False, block addresses; gathered and paged
+    # (only on planners that take them)
+    if "interleaved_v_pack_factor" not in inspect.signature(p).parameters:
+        return
+    b, q, ctx, t = 4, 1024, 4096, 4096
+    blocks = b * (ctx + q) // 16 + 1
+    std = (_ai((t, 32, 128), "bfloat16"), _ai((t, 8, 128), "bfloat16"), _ai((t, 8, 128), "bfloat16"),
+           _ai((blocks, 8, 16, 16, 8), "bfloat16"), _ai((blocks, 8, 128, 16), "bfloat16"))
+    table = lambda dt: (_ai((b, (ctx + q) // 16 + 1), dt), _ai((b + 1,), "int32"),  # noqa: E731
+                        _ai((b,), "int32"), _ai((t, 32, 128), "bfloat16"))
+    yield "prefix bfloat16 B4 q1024 ctx4096 interleaved V", _call(
+        p, *std, *table("int32"), max_input_len=q, interleaved_v_pack_factor=8)
+    yield "prefix bfloat16 B4 q1024 ctx4096 cached K/V", _call(
+        p, std[0], None, None, *std[3:], *table("int32"), max_input_len=q)
+    yield "prefix bfloat16 B4 q1024 ctx4096 non-causal", _call(
+        p, *std, *table("int32"), max_input_len=q, causal=False)
+    yield "prefix bfloat16 B4 q1024 ctx4096 block addresses", _call(
+        p, *std, *table("int64"), max_input_len=q, is_block_table_ptr=True)
+    yield "prefix float16 paged cached K/V+interleaved V+addresses+non-causal", _call(
+        p, paged[0], None, None, paged[3], paged[4], *paged[5:], _ai((t, 32, 128), "float16"),
+        max_input_len=q, interleaved_v_pack_factor=8, is_block_table_ptr=True, causal=False)
 
 
 def lightning_cases():
@@ -136,13 +158,14 @@ def lightning_cases():
 
 
 def blocksparse_cases():
-    from core_kernels.blocksparse_attention import get_sparse_attn_mask
+    from core_kernels import blocksparse_attention as bsa
     from core_kernels.blocksparse_attention import plan_blocksparse_attention as p
+    layout = getattr(bsa, "build_sparse_layout", None) or bsa.get_sparse_attn_mask  # the old tree
     hq, hkv, d, bs = 32, 8, 128, 64
     for dt, b, n, decode in (("bfloat16", 1, 16384, False), ("bfloat16", 4, 4096, False),
                              ("bfloat16", 1, 16384, True), ("bfloat16", 64, 4096, True),
                              ("float32", 2, 512, False), ("float16", 2, 512, True)):
-        (crow, col), _ = get_sparse_attn_mask(hq, n, bs, 16, 8, False, None)
+        (crow, col), _ = layout(hq, n, bs, 16, 8, False, None)
         tk = b * n
         tq = b if decode else tk
         yield f"blocksparse {dt} {b}x{n} decode={decode}", _call(
@@ -153,13 +176,26 @@ def blocksparse_cases():
     for dt, hq, hkv, d, bs, b, n, q_len, qbs in (
             ("bfloat16", 32, 8, 128, 64, 4, 2048, 512, 128), ("float16", 8, 2, 96, 16, 3, 1024, 300, None),
             ("bfloat16", 16, 4, 256, 64, 2, 2048, 2048, None), ("float32", 32, 8, 256, 64, 32, 1024, None, None)):
-        (crow, col), _ = get_sparse_attn_mask(hq, n, bs, 16, 8, False, None)
+        (crow, col), _ = layout(hq, n, bs, 16, 8, False, None)
         tk, tq = b * n, b if q_len is None else b * q_len
         cu_q = None if q_len is None else _ai((b + 1,), "int32")
         yield f"blocksparse {dt} {b}x{n} q{q_len} D{d} bs{bs} q_block_size={qbs}", _call(
             p, _ai((tq, hq, d), dt), _ai((tk, hkv, d), dt), _ai((tk, hkv, d), dt), _ai((b + 1,), "int32"),
             cu_q, _ai(crow.shape, "int32"), _ai(col.shape, "int32"), block_size=bs, q_block_size=qbs,
             max_seqlen=n)
+    if "build_sparse_layout" not in vars(bsa):
+        return  # trees before int64 index arrays
+    # int64 index arrays (vLLM's layouts; each array loaded as given): prefill with
+    # cu_seqlens_q and q blocks of two rows, per-head and GQA-packed decode
+    hq, hkv, d, bs = 32, 8, 128, 64
+    for b, n, q_len, qbs in ((4, 2048, 512, 128), (1, 16384, None, None), (64, 4096, None, None)):
+        (crow, col), _ = layout(hq, n, bs, 16, 8, False, None)
+        tk, tq = b * n, b if q_len is None else b * q_len
+        cu_q = None if q_len is None else _ai((b + 1,), "int64")
+        yield f"blocksparse bfloat16 {b}x{n} q{q_len} q_block_size={qbs} int64 indices", _call(
+            p, _ai((tq, hq, d), "bfloat16"), _ai((tk, hkv, d), "bfloat16"), _ai((tk, hkv, d), "bfloat16"),
+            _ai((b + 1,), "int64"), cu_q, _ai(crow.shape, "int64"), _ai(col.shape, "int64"),
+            block_size=bs, q_block_size=qbs, max_seqlen=n)
 
 
 CASES = {"merge_attn_states": merge_cases, "prefix_prefill": prefix_cases,

@@ -4,9 +4,10 @@ from ._ops_prefix_prefill import context_attention_fwd
 
 __all__ = ["context_attention_fwd", "merge_attn_states"]
 from ._ops_blocksparse import (LocalStridedBlockSparseAttn, blocksparse_flash_attn_varlen_fwd,
-                               get_sparse_attn_mask)
+                               get_head_sliding_step, get_sparse_attn_mask)
 
-__all__ += ["LocalStridedBlockSparseAttn", "blocksparse_flash_attn_varlen_fwd", "get_sparse_attn_mask"]
+__all__ += ["LocalStridedBlockSparseAttn", "blocksparse_flash_attn_varlen_fwd", "get_head_sliding_step",
+            "get_sparse_attn_mask"]
 from ._ops_lightning import lightning_attention, linear_decode_forward_triton
 
 __all__ += ["lightning_attention", "linear_decode_forward_triton"]

@@ -3,10 +3,14 @@ from __future__ import annotations
 
 from typing import Optional
 
+import math
+
+import numpy as np
 import torch
 
 from core_kernels._plan import decode_config, encode_config
-from core_kernels.blocksparse_attention import get_sparse_attn_mask, plan_blocksparse_attention
+from core_kernels.blocksparse_attention import (build_sparse_layout, get_head_sliding_step,
+                                                plan_blocksparse_attention, vllm_sparse_attn_mask)
 
 from ._executor import planned, run_plan
 from ._register import custom_op
@@ -38,12 +42,12 @@ def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_sc
     Args:
         q: [Tq, Hq, D] float16/bfloat16/float32 (D <= 256, any size).
         k, v: [Tk, Hkv, D], q's dtype; Hq % Hkv == 0 (GQA: head h reads h // (Hq / Hkv)).
-        cu_seqlens_k: [B + 1] int32 cumulative key lengths.
-        cu_seqlens_q: [B + 1] int32, or None: decode (one query per sequence) if
+        cu_seqlens_k: [B + 1] int32 or int64 cumulative key lengths.
+        cu_seqlens_q: [B + 1] int32 or int64, or None: decode (one query per sequence) if
             Tq == B, else equal to cu_seqlens_k. Queries are the last q_len
             positions of their sequence.
         sm_scale: float or None (1 / sqrt(D)).
-        sparse_layout: (crow [H, NB + 1], col [H, nnz]) int32 on q's device,
+        sparse_layout: (crow [H, NB + 1], col [H, nnz]) int32 or int64 on q's device,
             H = Hq or 1; per head, columns ascending, the diagonal in every row.
         block_size: the layout's block size (16..256, a power of two).
         q_block_size: a multiple of block_size; a query attends to the union of
@@ -64,37 +68,187 @@ def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_sc
                       None if max_seqlen is None else int(max_seqlen), encode_config(config))
 
 
-class LocalStridedBlockSparseAttn(torch.nn.Module):
-    """Local + vertical-stride block-sparse attention (Phi-3-small style).
+def _torch_device(device):
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+    return torch.device(device)
 
-    Holds the layout of ``get_sparse_attn_mask`` as buffers; ``forward(q, k, v,
-    cu_seqlens_k, cu_seqlens_q=None, sm_scale=None, *, config=None)`` -> [Tq, Hq, D],
-    with Hq = n_heads, or h1 - h0 with ``active_head_range=(h0, h1)``; ``config`` as
-    blocksparse_flash_attn_varlen_fwd's.
+
+def get_sparse_attn_mask(n_heads, q_len, max_seqlen, dtype, device, block_size=64, local_blocks=4,
+                         vert_stride=4, homo_head=True, return_dense=False, dense_mask_type="binary"):
+    """vLLM's ``get_sparse_attn_mask`` (same positional order and results), as torch tensors.
+
+    Returns ``((crow, col), block_mask, dense_mask)`` on ``device``:
+    - block_mask: ``dtype`` 1/0, [NB, NB] if homo_head else [n_heads, NB, NB]
+      (NB = ceil(max_seqlen / block_size)): the local + vertical-stride layout;
+    - crow [n_heads, nbq + 1], col [n_heads, nnz] int64 (vLLM's dtype): CSR of the
+      last nbq = ceil(q_len / block_size) rows, col padded with -1 (with homo_head
+      one row set expanded over the heads, as vLLM does);
+    - dense_mask: None, or with ``return_dense`` [n_heads, q_len, max_seqlen] in
+      ``dtype``: query i (absolute position max_seqlen - q_len + i) and key j, with
+      the token-level causal mask; "binary": 1 kept, 0 skipped; "bias": 0 kept,
+      -inf skipped. (Memory: n_heads * q_len * max_seqlen elements.)
+    The framework-free layout builder is ``core_kernels.blocksparse_attention.build_sparse_layout``.
+    """
+    if dense_mask_type not in ("binary", "bias"):
+        raise ValueError(f"dense_mask_type: expected 'binary' or 'bias', got {dense_mask_type!r}")
+    (crow, col), block_mask, dense = vllm_sparse_attn_mask(
+        n_heads, q_len, max_seqlen, block_size, local_blocks, vert_stride, bool(homo_head),
+        bool(return_dense))
+    device = _torch_device(device)
+    crow_t, col_t = (torch.from_numpy(np.array(x[0])).to(device).expand(x.shape)
+                     if homo_head else torch.from_numpy(np.array(x)).to(device)
+                     for x in (crow, col))
+    block_t = torch.from_numpy(np.array(block_mask)).to(device=device, dtype=dtype)
+    dense_t = None
+    if dense is not None:
+        dense_b = torch.from_numpy(np.array(dense[:1] if homo_head else dense)).to(device)
+        if dense_mask_type == "binary":
+            dense_t = dense_b.to(dtype)
+        else:
+            dense_t = torch.zeros(dense_b.shape, dtype=dtype, device=device).masked_fill_(
+                ~dense_b, float("-inf"))
+        if homo_head:
+            dense_t = dense_t.expand(dense.shape)
+    return (crow_t, col_t), block_t, dense_t
+
+
+def _pad_index(cu_seqlens, maxlen):
+    """(token index [B, maxlen], valid [B, maxlen]) of the padded layout, on the device."""
+    cu = cu_seqlens.to(torch.int64)
+    pos = torch.arange(maxlen, device=cu.device)
+    valid = pos[None, :] < (cu[1:] - cu[:-1])[:, None]
+    return torch.where(valid, cu[:-1, None] + pos[None, :], 0), valid
+
+
+def _unpad(x_padded, cu_seqlens, total):
+    cu = cu_seqlens.to(device=x_padded.device, dtype=torch.int64)
+    t = torch.arange(total, device=x_padded.device)
+    b = torch.searchsorted(cu[1:], t, right=True)
+    return x_padded[b, :, t - cu[b]]                                   # [total, H, D]
+
+
+class LocalStridedBlockSparseAttn(torch.nn.Module):
+    """Local + vertical-stride block-sparse attention (Phi-3-small style), vLLM's module.
+
+    ``LocalStridedBlockSparseAttn(n_heads, max_seqlen, local_blocks, vert_stride,
+    block_size, device=None, dtype=None, homo_head=False, active_head_range=None,
+    q_block_size=None, use_spda=None)``:
+    - the kernel's layout (``build_sparse_layout``, int32; heads h0..h1-1 with
+      ``active_head_range=(h0, h1)``) is held as buffers; ``sparse_layout`` is
+      (crow, col). With q_block_size it keeps block_size rows: the kernel merges them
+      (vLLM's module stores the merged rows instead).
+    - ``use_spda``: None (default) or False runs the Triton kernel, on every device
+      (CPU tensors through Triton's interpreter); True runs ``spda`` (torch SDPA with
+      the dense bias mask, prefill only, reads cu_seqlens on the host).
+    - ``dtype`` (default bfloat16) and ``device`` are those of the dense mask.
+    ``forward(q, k, v, cu_seqlens_k, cu_seqlens_q=None, sm_scale=None, *, config=None)``
+    -> [Tq, Hq, D]; ``config`` as blocksparse_flash_attn_varlen_fwd's (kernel only).
+    A falsy sm_scale means 1 / sqrt(D), as in vLLM.
     """
 
     def __init__(self, n_heads, max_seqlen, local_blocks, vert_stride, block_size, device=None,
-                 dtype=None, homo_head=False, active_head_range=None, q_block_size=None):
+                 dtype=None, homo_head=False, active_head_range=None, q_block_size=None,
+                 use_spda=None):
         super().__init__()
-        (crow, col), block_mask = get_sparse_attn_mask(
+        (crow, col), block_mask = build_sparse_layout(
             n_heads, max_seqlen, block_size, local_blocks, vert_stride, homo_head, active_head_range)
         if q_block_size is not None and (q_block_size < block_size or q_block_size % block_size):
             raise ValueError(f"q_block_size: expected a positive multiple of block_size={block_size}, "
                              f"got {q_block_size!r}")
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device is None else device
+        device = _torch_device(device)
+        if dtype is None:
+            old_gpu = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 8
+            dtype = torch.float16 if old_gpu else torch.bfloat16
         self.register_buffer("crow", torch.from_numpy(crow.copy()).to(device), persistent=False)
         self.register_buffer("col", torch.from_numpy(col.copy()).to(device), persistent=False)
         self.block_mask = block_mask
         self.n_heads, self.max_seqlen, self.block_size = n_heads, max_seqlen, block_size
         self.local_blocks, self.vert_stride, self.q_block_size = local_blocks, vert_stride, q_block_size
-        self.dtype = dtype
+        self.homo_head = homo_head
+        self.active_head_range = None if active_head_range is None else tuple(active_head_range)
+        self.use_spda = bool(use_spda)
+        self.device, self.dtype = device, dtype
+        self.head_sliding_step = get_head_sliding_step(n_heads, vert_stride, homo_head)
+        self.dense_attn_mask = self.get_attn_pattern(dtype, device)[2] if self.use_spda else None
 
     @property
     def sparse_layout(self):
         return self.crow, self.col
 
-    def forward(self, q, k, v, cu_seqlens_k, cu_seqlens_q=None, sm_scale=None, *, config=None):
+    def _attn_pattern(self, dtype, device, return_dense):
+        layout, pattern, dense = get_sparse_attn_mask(
+            self.n_heads, self.max_seqlen, self.max_seqlen, dtype, device, block_size=self.block_size,
+            local_blocks=self.local_blocks, vert_stride=self.vert_stride, homo_head=self.homo_head,
+            return_dense=return_dense, dense_mask_type="bias")
+        if not self.homo_head and self.active_head_range is not None:
+            h0, h1 = self.active_head_range
+            layout = tuple(x[h0:h1] for x in layout)
+            dense = None if dense is None else dense[h0:h1]
+        return layout, pattern, dense
+
+    def get_attn_pattern(self, dtype, device):
+        """vLLM's: (sparse_layout (int64 CSR), block pattern, dense bias mask or None
+        (built when use_spda)), heads sliced to active_head_range unless homo_head."""
+        return self._attn_pattern(dtype, device, self.use_spda)
+
+    def varlen_attn(self, q, k, v, cu_seqlens_k, cu_seqlens_q=None, sm_scale=None, *, config=None):
+        """The Triton kernel: q [Tq, Hq, D], k/v [Tk, Hkv, D]; see blocksparse_flash_attn_varlen_fwd."""
+        sm_scale = sm_scale or 1.0 / math.sqrt(q.shape[-1])
         return blocksparse_flash_attn_varlen_fwd(
             q, k, v, cu_seqlens_k, cu_seqlens_q, sm_scale, (self.crow, self.col),
             block_size=self.block_size, q_block_size=self.q_block_size, max_seqlen=self.max_seqlen,
             config=config)
+
+    @staticmethod
+    def transpose_and_pad(x, cu_seqlens, maxlen, head_repeats=1):
+        """[T, H, D] packed -> [B, H * head_repeats, maxlen, D] (each head repeated
+        head_repeats times in a row; positions past a sequence's end are 0). No host sync."""
+        maxlen = int(maxlen)
+        idx, valid = _pad_index(cu_seqlens.to(x.device), maxlen)
+        if x.shape[0] == 0:
+            g = x.new_zeros(idx.shape + tuple(x.shape[1:]))
+        else:
+            g = torch.where(valid[:, :, None, None], x[idx], 0).to(x.dtype)   # [B, maxlen, H, D]
+        b, _, h, d = g.shape
+        g = g.permute(0, 2, 1, 3)
+        return g[:, :, None].expand(b, h, head_repeats, maxlen, d).reshape(b, h * head_repeats, maxlen, d)
+
+    @staticmethod
+    def transpose_and_unpad(x_padded, cu_seqlens):
+        """[B, H, L, D] padded -> [cu_seqlens[-1], H, D] packed (reads cu_seqlens[-1] on the host)."""
+        return _unpad(x_padded, cu_seqlens, int(cu_seqlens[-1]))
+
+    def spda(self, q, k, v, cu_seqlens_k, cu_seqlens_q=None, sm_scale=None):
+        """Dense fallback: torch SDPA over padded sequences with the layout's dense bias
+        mask. Prefill only (cu_seqlens_q None or equal to cu_seqlens_k, Tq == Tk);
+        reads the longest sequence length on the host."""
+        if q.shape[0] != k.shape[0] or (cu_seqlens_q is not None and cu_seqlens_q is not cu_seqlens_k
+                                         and not torch.equal(cu_seqlens_q.cpu(), cu_seqlens_k.cpu())):
+            raise ValueError("cu_seqlens_q: spda runs prefill only (cu_seqlens_q None or equal to "
+                             "cu_seqlens_k, and as many query as key tokens)")
+        if q.shape[1] % k.shape[1]:
+            raise ValueError(f"k: {k.shape[1]} KV heads do not divide q's {q.shape[1]} heads")
+        ratio = q.shape[1] // k.shape[1]
+        sm_scale = sm_scale or 1.0 / math.sqrt(q.shape[-1])
+        cu = cu_seqlens_k.cpu()
+        maxlen = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+        if self.dense_attn_mask is None or self.dense_attn_mask.dtype != q.dtype \
+                or self.dense_attn_mask.device != q.device:
+            self.dense_attn_mask = self._attn_pattern(q.dtype, q.device, True)[2]
+        mask = self.dense_attn_mask[None, :, :maxlen, :maxlen]
+        q2 = self.transpose_and_pad(q, cu_seqlens_k, maxlen, 1)
+        k2, v2 = (self.transpose_and_pad(x, cu_seqlens_k, maxlen, ratio) for x in (k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(q2, k2, v2, attn_mask=mask, scale=sm_scale)
+        return _unpad(out, cu_seqlens_k, q.shape[0])
+
+    def forward(self, q, k, v, cu_seqlens_k, cu_seqlens_q=None, sm_scale=None, *, config=None):
+        if k.dim() != 3:
+            raise ValueError(f"k: expected shape [Tk, Hkv, D], got {tuple(k.shape)}")
+        if self.use_spda:
+            if config is not None:
+                raise ValueError("config: the module runs torch SDPA (use_spda=True), not a kernel")
+            return self.spda(q, k, v, cu_seqlens_k, cu_seqlens_q=cu_seqlens_q, sm_scale=sm_scale)
+        return self.varlen_attn(q, k, v, cu_seqlens_k, cu_seqlens_q=cu_seqlens_q, sm_scale=sm_scale,
+                                config=config)

@@ -69,6 +69,10 @@ PREFILL_STAGES = 3
 # under this so large D / fp32 still compile. (Hopper's figure: the kernels are
 # tuned for it; other GPUs with less shared memory may need fewer stages.)
 SMEM_BUDGET = 200 * 1024
+# Index arrays (cu_seqlens, crow, col) of either width, each as given: the kernels
+# load whatever integer type they receive (vLLM's layouts are int64), so no cast
+# (a copy, or a host sync) is needed; an int32 input compiles exactly as before.
+INDEX_DTYPES = ("int32", "int64")
 
 
 @config_class
@@ -258,12 +262,12 @@ def _validate_qkv(q, k, v) -> None:
 def _validate_batch(cu_seqlens_k, cu_seqlens_q, tq, tk) -> tuple[int, bool]:
     """(B, decode-only) from the cumulative lengths' shapes."""
     check_ndim("cu_seqlens_k", cu_seqlens_k, 1, "[B + 1]")
-    check_dtype("cu_seqlens_k", cu_seqlens_k, ("int32",))
+    check_dtype("cu_seqlens_k", cu_seqlens_k, INDEX_DTYPES)
     if cu_seqlens_k.shape[0] < 1:
         raise ValueError("cu_seqlens_k: expected shape [B + 1], got an empty array")
     b = cu_seqlens_k.shape[0] - 1
     if cu_seqlens_q is not None:
-        check_dtype("cu_seqlens_q", cu_seqlens_q, ("int32",))
+        check_dtype("cu_seqlens_q", cu_seqlens_q, INDEX_DTYPES)
         if tuple(cu_seqlens_q.shape) != tuple(cu_seqlens_k.shape):
             raise ValueError(f"cu_seqlens_q: shape {tuple(cu_seqlens_q.shape)} does not match "
                              f"cu_seqlens_k's {tuple(cu_seqlens_k.shape)} (one entry per sequence + 1)")
@@ -281,7 +285,7 @@ def _validate_layout(crow, col, hq) -> tuple[int, int]:
     for name, info in (("crow", crow), ("col", col)):
         if info.ndim not in (1, 2):
             raise ValueError(f"sparse_layout: {name} must be [H, ...] or 1-D, got shape {tuple(info.shape)}")
-        check_dtype(f"sparse_layout ({name})", info, ("int32",))
+        check_dtype(f"sparse_layout ({name})", info, INDEX_DTYPES)
         check_inner_contiguous(f"sparse_layout ({name})", info)
     if crow.ndim != col.ndim or (crow.ndim == 2 and crow.shape[0] != col.shape[0]):
         raise ValueError(f"sparse_layout: crow {tuple(crow.shape)} and col {tuple(col.shape)} "

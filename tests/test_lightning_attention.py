@@ -75,6 +75,13 @@ def make_decode(b, h, d, num_slots, dtype, seed=None):
     return q, k, v, cache, slope
 
 
+# per-head decay layouts accepted for ed / slope_rate: [H]; [H, 1, 1] (vLLM's
+# MiniMax layer passes its slope tensor so); [1, H, 1, 1] (what vLLM's
+# lightning_attention views an [H] ed as, and what its tests' reference reads)
+DECAY_LAYOUTS = {"H": lambda x: x, "H11": lambda x: x.reshape(-1, 1, 1),
+                 "1H11": lambda x: x.reshape(1, -1, 1, 1)}
+
+
 # (B, H, N, D, E, block_size): N = 1, block-1, block, block+1, several blocks,
 # non-power-of-two D/E and block sizes, chunks shorter than a block
 PREFILL_CASES = [
@@ -142,6 +149,17 @@ class LightningTests:
         """Run ``plan`` with its result buffers supplied pre-filled with NaN."""
         raise NotImplementedError
 
+    def prefill_as_vllm(self, q, k, v, ed, kvh, block_size, positional):
+        """numpy in/out through vLLM's own call forms: the MiniMax layer's
+        ``lightning_attention(q, k, v, slope_rate, block_size=..., kv_history=...)``
+        or (positional) its kernel tests' ``lightning_attention(q, k, v, ed, 256, kv_history)``."""
+        raise NotImplementedError
+
+    def decode_as_vllm(self, q, k, v, cache, slope, slots):
+        """numpy in/out through the MiniMax layer's call
+        ``linear_decode_forward_triton(q, k, v, kv_cache, tp_slope, slot_id, 32)``."""
+        raise NotImplementedError
+
     @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
     @pytest.mark.parametrize("history", [True, False])
     @pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: "B{}-H{}-N{}-D{}-E{}-bs{}".format(*c))
@@ -172,6 +190,61 @@ class LightningTests:
         ref_out, ref_kv = reference(q, k, v, ed, kvh, 16)
         check(out, ref_out, "float32", "output")
         check(kv, ref_kv, "float32", "states")
+
+    @pytest.mark.parametrize("layout", DECAY_LAYOUTS)
+    def test_prefill_decay_layouts(self, layout):
+        q, k, v, ed, kvh = make_prefill(2, 3, 45, 32, 16, "float32")
+        out, kv = self.prefill(q, k, v, DECAY_LAYOUTS[layout](ed), kvh, 16)
+        ref_out, ref_kv = reference(q, k, v, ed, kvh, 16)
+        check(out, ref_out, "float32", "output")
+        check(kv, ref_kv, "float32", "states")
+
+    @pytest.mark.parametrize("layout", DECAY_LAYOUTS)
+    def test_decode_decay_layouts(self, layout):
+        q, k, v, cache, slope = make_decode(3, 4, 24, 5, "float32")
+        slots = np.array([4, -1, 1], np.int32)
+        out, new_cache = self.decode(q, k, v, cache, DECAY_LAYOUTS[layout](slope), slots)
+        ref_out, ref_cache = linear_decode_reference(q, k, v, cache, slope, slots)
+        check(out, ref_out, "float32", "output")
+        check(new_cache, ref_cache, "float32", "cache")
+
+    @pytest.mark.parametrize("shape", [(3, 1, 1, 1), (1, 1, 3, 1), (1, 3, 1), (3, 1), (1, 3)])
+    def test_decay_other_layouts_refused(self, shape):
+        q, k, v, ed, kvh = make_prefill(1, 3, 8, 16, 16, "float32")
+        with pytest.raises(ValueError, match=r"ed: expected shape \(3,\), \(3, 1, 1\) or \(1, 3, 1, 1\)"):
+            self.prefill(q, k, v, ed.reshape(shape), kvh, 4)
+        q, k, v, cache, slope = make_decode(2, 3, 16, 4, "float32")
+        with pytest.raises(ValueError, match="slope_rate: expected shape"):
+            self.decode(q, k, v, cache, slope.reshape(shape), np.array([0, 1], np.int32))
+
+    @pytest.mark.parametrize("positional", [False, True], ids=["minimax-layer", "positional"])
+    @pytest.mark.parametrize("n", [1, 300])
+    def test_prefill_vllm_call_forms(self, positional, n):
+        """As vLLM's MiniMax layer calls it: one sequence [1, H, N, D] (D = E), the
+        [H, 1, 1] fp32 slope tensor, the model's block size (256) and one cache
+        slot as kv_history [1, H, D, D]; it keeps kv[:, :, -1] as the new slot."""
+        h, d = 4, 32
+        q, k, v, ed, kvh = make_prefill(1, h, n, d, d, "float32")
+        slope = ed.reshape(h, 1, 1)
+        out, kv = self.prefill_as_vllm(q, k, v, slope, kvh, 256, positional)
+        ref_out, ref_kv = reference(q, k, v, ed, kvh, 256)
+        assert out.shape == (1, h, n, d) and kv.shape == (1, h, -(-n // 256) + 1, d, d)
+        check(out, ref_out, "float32", "output")
+        check(kv[:, :, -1], ref_kv[:, :, -1], "float32", "final state (the new cache slot)")
+        check(kv, ref_kv, "float32", "per-block states")
+
+    def test_decode_vllm_call_form(self):
+        """linear_decode_forward_triton(q, k, v, kv_cache, tp_slope, slot_id, 32):
+        [H, 1, 1] slope, int32 slot ids with -1 padding, BLOCK_SIZE positional."""
+        b, h, d, num_slots = 4, 4, 32, 6
+        q, k, v, cache, slope = make_decode(b, h, d, num_slots, "float32")
+        slots = np.array([5, -1, 0, 2], np.int32)
+        out, new_cache = self.decode_as_vllm(q, k, v, cache, slope.reshape(h, 1, 1), slots)
+        ref_out, ref_cache = linear_decode_reference(q, k, v, cache, slope, slots)
+        assert out.shape == (b, h * d)
+        check(out, ref_out, "float32", "output")
+        check(new_cache, ref_cache, "float32", "cache")
+        assert np.all(np.asarray(out[1]) == 0), "padding row must be 0"
 
     @pytest.mark.parametrize("num_segments", [1, 3, 4])
     @pytest.mark.parametrize("fso", [False, True])
@@ -300,6 +373,21 @@ class TestTorch(TorchAdapter, LightningTests):
                                               to_torch(slope), to_torch(slots), config=config)
         return torch_to_numpy(out), torch_to_numpy(ct)
 
+    def prefill_as_vllm(self, q, k, v, ed, kvh, block_size, positional):
+        qt, kt, vt, et, ht = map(to_torch, (q, k, v, ed, kvh))
+        if positional:
+            o, kv = at.lightning_attention(qt, kt, vt, et, block_size, ht)
+        else:
+            o, kv = at.lightning_attention(qt, kt, vt, et, block_size=block_size, kv_history=ht)
+        assert_bitwise_equal(torch_to_numpy(ht), kvh, "kv_history was modified")
+        return torch_to_numpy(o), torch_to_numpy(kv)
+
+    def decode_as_vllm(self, q, k, v, cache, slope, slots):
+        ct = to_torch(cache)
+        out = at.linear_decode_forward_triton(to_torch(q), to_torch(k), to_torch(v), ct,
+                                              to_torch(slope), to_torch(slots), 32)
+        return torch_to_numpy(out), torch_to_numpy(ct)
+
     def target(self):
         from adapters.torch._executor import target_for
         return target_for(torch.device(DEVICE))
@@ -321,6 +409,28 @@ class TestTorch(TorchAdapter, LightningTests):
         out, kv = at.lightning_attention(qt, kt, vt, to_torch(ed.reshape(3, 1, 1)), 16, to_torch(kvh))
         check(torch_to_numpy(out), ref_out, "float32", "output")
         check(torch_to_numpy(kv), ref_kv, "float32", "states")
+
+    @pytest.mark.parametrize("layout", DECAY_LAYOUTS)
+    def test_strided_decay_views(self, layout):
+        """ed / slope_rate as views every other element of a bigger buffer."""
+        q, k, v, ed, kvh = make_prefill(1, 3, 40, 16, 16, "float32")
+        def strided(x):
+            buf = torch.full((2 * x.size,), float("nan"), dtype=torch.float32, device=DEVICE)
+            view = buf[::2]
+            view.copy_(to_torch(x))
+            return DECAY_LAYOUTS[layout](view)
+        out, kv = at.lightning_attention(*map(to_torch, (q, k, v)), strided(ed), 16, to_torch(kvh))
+        ref_out, ref_kv = reference(q, k, v, ed, kvh, 16)
+        check(torch_to_numpy(out), ref_out, "float32", "output")
+        check(torch_to_numpy(kv), ref_kv, "float32", "states")
+        q, k, v, cache, slope = make_decode(2, 3, 16, 4, "float32")
+        slots = np.array([3, 0], np.int32)
+        ct = to_torch(cache)
+        out = at.linear_decode_forward_triton(*map(to_torch, (q, k, v)), ct, strided(slope),
+                                              to_torch(slots))
+        ref_out, ref_cache = linear_decode_reference(q, k, v, cache, slope, slots)
+        check(torch_to_numpy(out), ref_out, "float32", "output")
+        check(torch_to_numpy(ct), ref_cache, "float32", "cache")
 
     def test_decode_strided_cache_and_inputs(self):
         b, h, d, num_slots = 4, 2, 48, 5
@@ -442,6 +552,20 @@ class TestJax(JaxAdapter, LightningTests):
         if jit:
             fn = jax.jit(fn)
         out, new_cache = fn(*map(to_jax, (q, k, v, cache, slope)), slots if host_ids else to_jax(slots))
+        return jax_to_numpy(out), jax_to_numpy(new_cache)
+
+    def prefill_as_vllm(self, q, k, v, ed, kvh, block_size, positional):
+        import adapters.jax as aj
+        qj, kj, vj, ej, hj = map(to_jax, (q, k, v, ed, kvh))
+        if positional:
+            o, kv = aj.lightning_attention(qj, kj, vj, ej, block_size, hj)
+        else:
+            o, kv = aj.lightning_attention(qj, kj, vj, ej, block_size=block_size, kv_history=hj)
+        return jax_to_numpy(o), jax_to_numpy(kv)
+
+    def decode_as_vllm(self, q, k, v, cache, slope, slots):
+        import adapters.jax as aj
+        out, new_cache = aj.linear_decode_forward_triton(*map(to_jax, (q, k, v, cache, slope, slots)), 32)
         return jax_to_numpy(out), jax_to_numpy(new_cache)
 
     def target(self):

@@ -10,8 +10,8 @@ from core_kernels.lightning_attention import (check_slot_ids, plan_lightning_att
 from ._executor import info, run_plan, target
 
 
-def lightning_attention(q, k, v, ed, *, block_size=256, kv_history=None,
-                        output_final_state_only=False, config=None):
+def lightning_attention(q, k, v, ed, block_size=256, kv_history=None,
+                        output_final_state_only=False, *, config=None):
     """Linear attention with per-head decay over a whole sequence (prefill).
 
     S_t = exp(-ed[h]) * S_{t-1} + k_t^T v_t (S_{-1} = kv_history or 0), o_t = q_t S_t.
@@ -19,8 +19,10 @@ def lightning_attention(q, k, v, ed, *, block_size=256, kv_history=None,
     Args:
         q, k: [B, H, N, D]; v: [B, H, N, E]; float32/float16/bfloat16 (one dtype);
             D, E <= 256, any size.
-        ed: [H] or [H, 1, 1] float32 decay rates.
-        block_size: positive int; granularity of the returned per-block states.
+        ed: [H], [H, 1, 1] or [1, H, 1, 1] float32 decay rates.
+        block_size: positive int; granularity of the returned per-block states
+            (static under jax.jit). Parameters in vLLM's order, by position or
+            keyword.
         kv_history: optional [B, H, D, E] float32 starting state.
         output_final_state_only: return only the final state.
         config: optional ``LightningTritonConfig`` (forces the Triton kernel) or
@@ -41,17 +43,20 @@ def lightning_attention(q, k, v, ed, *, block_size=256, kv_history=None,
     return run_plan(plan, arrays, tgt)
 
 
-def linear_decode_forward_triton(q, k, v, kv_caches, slope_rate, slot_idx, *, config=None):
+def linear_decode_forward_triton(q, k, v, kv_caches, slope_rate, slot_idx, BLOCK_SIZE=32, *,
+                                 config=None):
     """One decode step of lightning attention over a slot-indexed state cache.
 
     Args:
         q, k: [B, H, 1, D]; v: [B, H, 1, E]; float32/float16/bfloat16.
         kv_caches: [num_slots, H, D, E] float32.
-        slope_rate: [H] or [H, 1, 1] float32.
+        slope_rate: [H], [H, 1, 1] or [1, H, 1, 1] float32.
         slot_idx: [B] int32/int64; -1 marks padding (output 0, no cache write).
             Ids outside [-1, num_slots) raise ValueError when the ids are host
             data; traced or on the GPU such a row's output is NaN and no slot
             is touched.
+        BLOCK_SIZE: accepted for vLLM compatibility (by position or keyword);
+            the tiling is the planner's.
         config: optional ``LightningDecodeConfig`` overriding the planner's tiling (static).
     Returns:
         (output [B, H * E] in q's dtype, new kv_caches). The cache is aliased to
@@ -62,6 +67,7 @@ def linear_decode_forward_triton(q, k, v, kv_caches, slope_rate, slot_idx, *, co
             isinstance(slot_idx, jax.Array) and not isinstance(slot_idx, jax.core.Tracer)
             and all(d.platform == "cpu" for d in slot_idx.devices())):
         check_slot_ids(np.asarray(slot_idx), kv_caches.shape[0])
+    del BLOCK_SIZE
     arrays = dict(q=q, k=k, v=v, kv_caches=kv_caches, slope_rate=slope_rate, slot_idx=slot_idx)
     tgt = target(arrays)
     plan = plan_linear_decode(tgt, info(q), info(k), info(v), info(kv_caches), info(slope_rate),

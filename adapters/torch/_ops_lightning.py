@@ -49,9 +49,12 @@ def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: t
     Args:
         q, k: [B, H, N, D]; v: [B, H, N, E]; float32/float16/bfloat16 (one dtype),
             innermost dim contiguous, other strides free. D, E <= 256, any size.
-        ed: [H] or [H, 1, 1] float32 decay rates s_h >= 0.
-        block_size: positive int; granularity of the returned per-block states.
-        kv_history: optional [B, H, D, E] float32 starting state; never modified.
+        ed: [H], [H, 1, 1] (MiniMax's slope tensor, as vLLM's callers pass it)
+            or [1, H, 1, 1] float32 decay rates s_h >= 0, any strides.
+        block_size: positive int; granularity of the returned per-block states
+            (vLLM's callers pass it by keyword, vLLM's tests positionally).
+        kv_history: optional [B, H, D, E] float32 starting state (vLLM's MiniMax
+            layer passes one slot reshaped to [1, H, D, E]); never modified.
         output_final_state_only: return only the final state (no per-block states
             are written).
         config: optional ``core_kernels.lightning_attention.LightningTritonConfig``
@@ -103,12 +106,14 @@ def linear_decode_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         kv_caches: [num_slots, H, D, E] float32, any strides. Updated in place:
             kv_caches[s, h] = exp(-slope_rate[h]) * kv_caches[s, h] + k^T v for
             s = slot_idx[b]; no other slot is touched.
-        slope_rate: [H] or [H, 1, 1] float32.
+        slope_rate: [H], [H, 1, 1] (vLLM's MiniMax layer) or [1, H, 1, 1]
+            float32, any strides.
         slot_idx: [B] int32/int64; -1 marks a padding row (output 0, no cache
             write). Ids outside [-1, num_slots) raise ValueError when slot_idx is
             on the host; on the GPU (no sync) such a row's output is NaN and no
             cache slot is touched.
-        BLOCK_SIZE: accepted for vLLM compatibility; the tiling is the planner's.
+        BLOCK_SIZE: accepted for vLLM compatibility, by position (vLLM's MiniMax
+            layer passes 32 positionally) or keyword; the tiling is the planner's.
         config: optional ``core_kernels.lightning_attention.LightningDecodeConfig``
             overriding the planner's tiling.
     Returns:

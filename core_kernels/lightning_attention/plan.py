@@ -212,10 +212,22 @@ def plan_lightning_attention(
     return Plan(buffers, (launch,), PREFILL_RESULTS)
 
 
-def _check_decay(name, info, h):
-    if tuple(info.shape) not in ((h,), (h, 1, 1)):
-        raise ValueError(f"{name}: expected shape ({h},) or ({h}, 1, 1), got {tuple(info.shape)}")
+# the decay-rate layouts accepted (vLLM's callers pass [H, 1, 1] from MiniMax's
+# slope tensor, [H], or the [1, H, 1, 1] its lightning_attention views [H] as),
+# and the axis that holds the heads
+DECAY_LAYOUTS = {1: 0, 3: 0, 4: 1}
+
+
+def _check_decay(name, info, h) -> ArrayInfo:
+    """Validate a per-head decay array; returns it as a [H] ArrayInfo (the
+    head axis' stride), which is all the kernels read."""
+    shapes = ((h,), (h, 1, 1), (1, h, 1, 1))
+    if tuple(info.shape) not in shapes:
+        raise ValueError(f"{name}: expected shape ({h},), ({h}, 1, 1) or (1, {h}, 1, 1), "
+                         f"got {tuple(info.shape)}")
     check_dtype(name, info, ("float32",))
+    axis = DECAY_LAYOUTS[info.ndim]
+    return ArrayInfo((h,), info.dtype, (info.strides[axis],))
 
 
 def _check_head(name, size):
@@ -234,7 +246,7 @@ def _validate_prefill(q, k, v, ed, kv_history, block_size, final_only) -> _Prefi
     for name, info in (("k", k), ("v", v)):
         if info.dtype != q.dtype:
             raise TypeError(f"{name}: dtype {info.dtype} differs from q's {q.dtype}")
-    _check_decay("ed", ed, h)
+    ed = _check_decay("ed", ed, h)
     _check_head("q", d)
     _check_head("v", e)
     if kv_history is not None:
@@ -588,7 +600,7 @@ def _validate_decode(q, k, v, kv_caches, slope_rate, slot_idx) -> _Decode:
     check_ndim("kv_caches", kv_caches, 4, "[num_slots, H, D, E]")
     check_shape("kv_caches", kv_caches, (kv_caches.shape[0], h, d, e), "[num_slots, H, D, E]")
     check_dtype("kv_caches", kv_caches, ("float32",))
-    _check_decay("slope_rate", slope_rate, h)
+    slope_rate = _check_decay("slope_rate", slope_rate, h)
     check_shape("slot_idx", slot_idx, (b,), "[B]")
     check_dtype("slot_idx", slot_idx, INT_DTYPES)
     return _Decode(q, k, v, kv_caches, slope_rate, b, h, d, e)

@@ -113,24 +113,12 @@ def assert_bitwise_equal(a, b, what=""):
 class TorchAdapter:
     """Mixin for the torch subclass of an op's test base: arrays as torch tensors."""
     adapter = "torch"
-
-    @staticmethod
-    def array(x):
-        return to_torch(x)
-
-    @staticmethod
-    def numpy(x):
-        return torch_to_numpy(x)
+    array = staticmethod(to_torch)
+    numpy = staticmethod(torch_to_numpy)
 
 
 class JaxAdapter:
     """Mixin for the JAX subclass of an op's test base: arrays as JAX arrays."""
     adapter = "jax"
-
-    @staticmethod
-    def array(x):
-        return to_jax(x)
-
-    @staticmethod
-    def numpy(x):
-        return jax_to_numpy(x)
+    array = staticmethod(to_jax)
+    numpy = staticmethod(jax_to_numpy)

@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 from core_kernels._plan import decode_config, encode_config
-from core_kernels.blocksparse_attention import (build_sparse_layout, get_head_sliding_step,
+from core_kernels.blocksparse_attention import (active_heads, build_sparse_layout,
+                                                get_head_sliding_step,
                                                 plan_blocksparse_attention, vllm_sparse_attn_mask)
 
 from ._executor import planned, run_plan
@@ -182,10 +183,7 @@ class LocalStridedBlockSparseAttn(torch.nn.Module):
             self.n_heads, self.max_seqlen, self.max_seqlen, dtype, device, block_size=self.block_size,
             local_blocks=self.local_blocks, vert_stride=self.vert_stride, homo_head=self.homo_head,
             return_dense=return_dense, dense_mask_type="bias")
-        if not self.homo_head and self.active_head_range is not None:
-            h0, h1 = self.active_head_range
-            layout = tuple(x[h0:h1] for x in layout)
-            dense = None if dense is None else dense[h0:h1]
+        layout, dense = active_heads(layout, dense, self.homo_head, self.active_head_range)
         return layout, pattern, dense
 
     def get_attn_pattern(self, dtype, device):

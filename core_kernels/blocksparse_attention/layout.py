@@ -137,3 +137,13 @@ def vllm_sparse_attn_mask(n_heads: int, q_len: int, max_seqlen: int, block_size:
         if dense is not None:
             dense = np.broadcast_to(dense, (n_heads,) + dense.shape[1:])
     return (crow, col), block_mask, dense
+
+
+def active_heads(layout, dense, homo_head: bool, active_head_range):
+    """vLLM's get_attn_pattern step after the mask: the CSR layout (crow, col) and
+    the dense mask (or None) cut to active_head_range unless homo_head. Slicing
+    only, so it serves numpy, torch and JAX arrays alike."""
+    if homo_head or active_head_range is None:
+        return layout, dense
+    h0, h1 = active_head_range
+    return tuple(x[h0:h1] for x in layout), None if dense is None else dense[h0:h1]

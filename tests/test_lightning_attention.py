@@ -75,6 +75,11 @@ def make_decode(b, h, d, num_slots, dtype, seed=None):
     return q, k, v, cache, slope
 
 
+# model-dtype states (vLLM's MiniMax layer keeps its lightning state in the
+# model dtype); bf16 runs on the GPU only, like every bf16 case
+STATE_DTYPES = [d for d in FLOAT_DTYPES if d != "float32"]
+
+
 # per-head decay layouts accepted for ed / slope_rate: [H]; [H, 1, 1] (vLLM's
 # MiniMax layer passes its slope tensor so); [1, H, 1, 1] (what vLLM's
 # lightning_attention views an [H] ed as, and what its tests' reference reads)
@@ -100,7 +105,7 @@ def _prefill_bad_cases():
         ("v", dict(v=v.astype(np.float16))),
         ("ed", dict(ed=ed[:1])),
         ("ed", dict(ed=ed.astype(np.float16))),
-        ("kv_history", dict(kvh=kvh.astype(np.float16))),
+        ("kv_history", dict(kvh=kvh.astype(np.int32))),
         ("kv_history", dict(kvh=kvh[:, :, :8])),
         ("block_size", dict(bs=-4)),
         ("block_size", dict(bs=0)),
@@ -115,7 +120,7 @@ def _decode_bad_cases():
     q, k, v, cache, slope = make_decode(2, 2, 16, 4, "float32")
     slots = np.array([0, 1], np.int64)
     return [
-        ("kv_caches", dict(cache=cache.astype(np.float16))),
+        ("kv_caches", dict(cache=cache.astype(np.int32))),
         ("kv_caches", dict(cache=cache[:, :, :8])),
         ("slope_rate", dict(slope=slope[:1])),
         ("slope_rate", dict(slope=slope.astype(np.float16))),
@@ -245,6 +250,42 @@ class LightningTests:
         check(out, ref_out, "float32", "output")
         check(new_cache, ref_cache, "float32", "cache")
         assert np.all(np.asarray(out[1]) == 0), "padding row must be 0"
+
+    @pytest.mark.parametrize("state_dtype", STATE_DTYPES)
+    def test_model_dtype_state(self, state_dtype):
+        """vLLM's MiniMax layer keeps the state in the model dtype: a prefill starts
+        from a bf16/fp16 slot (read into fp32), its final state is written back
+        rounded (``kv_caches.copy_(kv[:, :, -1])``), then decode steps update the
+        same cache (in fp32, stored rounded; the output uses the unrounded state)."""
+        b, h, n, d, num_slots, steps = 2, 3, 70, 32, 5, 3
+        dtype = state_dtype  # the model dtype
+        q, k, v, ed, _ = make_prefill(b, h, n + steps, d, d, dtype)
+        cache = cast(rng().standard_normal((num_slots, h, d, d)), state_dtype)
+        slots = np.array([3, 1], np.int64)
+        pre = (q[:, :, :n], k[:, :, :n], v[:, :, :n])
+        history = cache[slots].astype(np.float64)
+        out, kv = self.prefill(*pre, ed, cache[slots], 32)
+        ref_out, ref_kv = reference(*pre, ed, history, 32)
+        assert kv.dtype == np.float32
+        check(out, ref_out, dtype, "prefill output from a model-dtype history")
+        check(kv, ref_kv, dtype, "prefill states from a model-dtype history")
+        cache = cache.copy()
+        cache[slots] = cast(kv[:, :, -1], state_dtype)
+        outs = []
+        for t in range(n, n + steps):
+            step = (q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1])
+            o, new_cache = self.decode(*step, cache, ed, slots)
+            ref_o, ref_cache = linear_decode_reference(*step, cache.astype(np.float64), ed, slots)
+            assert new_cache.dtype == cache.dtype
+            check(o, ref_o, dtype, f"decode output, step {t - n}")
+            check(new_cache, ref_cache, state_dtype, f"cache stored rounded, step {t - n}")
+            untouched = [s for s in range(num_slots) if s not in slots]
+            assert_bitwise_equal(new_cache[untouched], cache[untouched], "untouched slots")
+            cache = new_cache
+            outs.append(o.reshape(b, h, d))
+        full_out, _ = reference(q, k, v, ed, history, 32)
+        check_relative(np.stack(outs, axis=2), full_out[:, :, n:], dtype,
+                       "decoded outputs vs one longer prefill")
 
     @pytest.mark.parametrize("num_segments", [1, 3, 4])
     @pytest.mark.parametrize("fso", [False, True])
@@ -612,6 +653,23 @@ def test_torch_and_jax_bitwise_equal(dtype, fso):
     assert_bitwise_equal(t[1], j[1], "prefill states torch vs jax")
     q, k, v, cache, slope = make_decode(5, 3, 40, 7, dtype)
     slots = np.array([6, 0, -1, 3, 2], np.int64)
+    t = TestTorch().decode(q, k, v, cache, slope, slots)
+    j = TestJax().decode(q, k, v, cache, slope, slots, jit=True)
+    assert_bitwise_equal(t[0], j[0], "decode output torch vs jax")
+    assert_bitwise_equal(t[1], j[1], "decode cache torch vs jax")
+
+
+@pytest.mark.parametrize("state_dtype", STATE_DTYPES)
+def test_model_dtype_state_torch_and_jax_bitwise_equal(state_dtype):
+    q, k, v, ed, kvh = make_prefill(2, 2, 90, 40, 24, state_dtype)
+    kvh = cast(kvh, state_dtype)
+    t = TestTorch().prefill(q, k, v, ed, kvh, 32)
+    j = TestJax().prefill(q, k, v, ed, kvh, 32, jit=True)
+    assert_bitwise_equal(t[0], j[0], "prefill output torch vs jax")
+    assert_bitwise_equal(t[1], j[1], "prefill states torch vs jax")
+    q, k, v, cache, slope = make_decode(5, 3, 40, 7, state_dtype)
+    cache = cast(cache, state_dtype)
+    slots = np.array([6, 0, -1, 3, 2], np.int32)
     t = TestTorch().decode(q, k, v, cache, slope, slots)
     j = TestJax().decode(q, k, v, cache, slope, slots, jit=True)
     assert_bitwise_equal(t[0], j[0], "decode output torch vs jax")

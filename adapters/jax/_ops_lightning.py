@@ -23,7 +23,8 @@ def lightning_attention(q, k, v, ed, block_size=256, kv_history=None,
         block_size: positive int; granularity of the returned per-block states
             (static under jax.jit). Parameters in vLLM's order, by position or
             keyword.
-        kv_history: optional [B, H, D, E] float32 starting state.
+        kv_history: optional [B, H, D, E] starting state, float32 or
+            bfloat16/float16 (read into float32).
         output_final_state_only: return only the final state.
         config: optional ``LightningTritonConfig`` (forces the Triton kernel) or
             ``LightningGluonConfig`` (forces the Gluon kernels) overriding the
@@ -49,7 +50,8 @@ def linear_decode_forward_triton(q, k, v, kv_caches, slope_rate, slot_idx, BLOCK
 
     Args:
         q, k: [B, H, 1, D]; v: [B, H, 1, E]; float32/float16/bfloat16.
-        kv_caches: [num_slots, H, D, E] float32.
+        kv_caches: [num_slots, H, D, E] float32, or bfloat16/float16 (updated
+            in float32, stored rounded; the output uses the unrounded state).
         slope_rate: [H], [H, 1, 1] or [1, H, 1, 1] float32.
         slot_idx: [B] int32/int64; -1 marks padding (output 0, no cache write).
             Ids outside [-1, num_slots) raise ValueError when the ids are host

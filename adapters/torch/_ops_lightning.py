@@ -53,8 +53,10 @@ def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: t
             or [1, H, 1, 1] float32 decay rates s_h >= 0, any strides.
         block_size: positive int; granularity of the returned per-block states
             (vLLM's callers pass it by keyword, vLLM's tests positionally).
-        kv_history: optional [B, H, D, E] float32 starting state (vLLM's MiniMax
-            layer passes one slot reshaped to [1, H, D, E]); never modified.
+        kv_history: optional [B, H, D, E] starting state (vLLM's MiniMax
+            layer passes one slot reshaped to [1, H, D, E]); float32, or
+            bfloat16/float16 where the model keeps its state in the model dtype
+            (read into float32); never modified.
         output_final_state_only: return only the final state (no per-block states
             are written).
         config: optional ``core_kernels.lightning_attention.LightningTritonConfig``
@@ -105,7 +107,9 @@ def linear_decode_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             bfloat16, innermost dim contiguous, other strides free.
         kv_caches: [num_slots, H, D, E] float32, any strides. Updated in place:
             kv_caches[s, h] = exp(-slope_rate[h]) * kv_caches[s, h] + k^T v for
-            s = slot_idx[b]; no other slot is touched.
+            s = slot_idx[b]; no other slot is touched. bfloat16/float16 caches
+            (vLLM's MiniMax layer keeps the state in the model dtype) are updated
+            in float32 and stored rounded; the output uses the unrounded state.
         slope_rate: [H], [H, 1, 1] (vLLM's MiniMax layer) or [1, H, 1, 1]
             float32, any strides.
         slot_idx: [B] int32/int64; -1 marks a padding row (output 0, no cache

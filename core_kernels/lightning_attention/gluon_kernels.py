@@ -114,7 +114,7 @@ def _start_state(history_ptr, kv_ptr, i_b, i_h, i_bh, e0, num_chunks, stride_hb,
     offs_s = r_s[:, None] * E + c_s[None, :]
     if HAS_HISTORY:
         b_s = gl.load(history_ptr + (i_b * (stride_hb * ALIGN) + i_h * (stride_hh * ALIGN) + e0)
-                      + r_s[:, None] * (stride_hd * ALIGN) + c_s[None, :])
+                      + r_s[:, None] * (stride_hd * ALIGN) + c_s[None, :]).to(gl.float32)
     else:
         b_s = gl.zeros([D, BE], gl.float32, layout=mma_te)
     if BLOCK_CHUNKS > 0:

@@ -116,7 +116,7 @@ def _load_tile(ptr, base, rows, stride_row, cols, m_col, EVEN: tl.constexpr, OFF
 @triton.jit
 def _load_state(ptr, o_d, o_e, stride_d, m_d, m_e):
     p = ptr + o_d.to(tl.int64)[:, None] * stride_d + o_e[None, :]
-    return tl.load(p, mask=m_d[:, None] & m_e[None, :], other=0.0)
+    return tl.load(p, mask=m_d[:, None] & m_e[None, :], other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -396,9 +396,11 @@ def _lightning_decode_kernel(
     b_v = tl.load(v_ptr + i_b * stride_vb + i_h * stride_vh + o_e, mask=m_e, other=0.0).to(tl.float32)
     base = tl.where(valid, slot, 0) * stride_cs + i_h * stride_ch  # int64
     m = m_d[:, None] & m_e[None, :] & valid
-    b_s = tl.load(cache_in_ptr + base + offs, mask=m, other=0.0)     # [D, E]
+    b_s = tl.load(cache_in_ptr + base + offs, mask=m, other=0.0).to(tl.float32)  # [D, E]
     b_s = b_s * tl.exp(-s) + b_k[:, None] * b_v[None, :]
-    tl.store(cache_ptr + base + offs, b_s, mask=m)
+    # a bf16/fp16 cache (vLLM's MiniMax layer keeps the state in the model dtype)
+    # stores the new state rounded; the output uses it unrounded
+    tl.store(cache_ptr + base + offs, b_s.to(cache_ptr.dtype.element_ty), mask=m)
     b_o = tl.reduce(b_q[:, None] * b_s, 0, tl.standard._sum_combine)                          # [E]
     b_o = tl.where(valid, b_o, tl.where(slot == -1, 0.0, float("nan")))
     tl.store(out_ptr + i_b * stride_ob + i_h * stride_oh + o_e, b_o.to(out_ptr.dtype.element_ty),

@@ -193,8 +193,9 @@ def plan_lightning_attention(
     """Plan lightning-attention prefill.
 
     Arrays: q, k [B, H, N, D], v [B, H, N, E] (one float dtype, innermost dim
-    contiguous), ed [H] or [H, 1, 1] fp32, kv_history [B, H, D, E] fp32 or None
-    (read only). Results: "output" [B, H, N, E] (q dtype) and "kv": the final
+    contiguous), ed [H] or [H, 1, 1] fp32, kv_history [B, H, D, E] or None
+    (read only; fp32, or bf16/fp16 as vLLM's MiniMax layer keeps it, read into
+    fp32). Results: "output" [B, H, N, E] (q dtype) and "kv": the final
     state [B, H, D, E] when output_final_state_only, else [B, H, NB + 1, D, E]
     with kv[:, :, i] the state before token i * block_size.
     The Gluon kernels run where they apply (see _gluon_unfit), else the Triton
@@ -251,7 +252,7 @@ def _validate_prefill(q, k, v, ed, kv_history, block_size, final_only) -> _Prefi
     _check_head("v", e)
     if kv_history is not None:
         check_shape("kv_history", kv_history, (b, h, d, e), "[B, H, D, E]")
-        check_dtype("kv_history", kv_history, ("float32",))
+        check_dtype("kv_history", kv_history, FLOAT_DTYPES)
         check_inner_contiguous("kv_history", kv_history)
     for name, info in (("q", q), ("k", k), ("v", v)):
         check_inner_contiguous(name, info)
@@ -564,8 +565,10 @@ def plan_linear_decode(target: Target, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo,
     """Plan one lightning-attention decode step.
 
     Arrays: q, k [B, H, 1, D], v [B, H, 1, E] (one float dtype, innermost dim
-    contiguous, other strides free), kv_caches [num_slots, H, D, E] fp32 (any
-    strides; updated in place: it is both an argument and a result),
+    contiguous, other strides free), kv_caches [num_slots, H, D, E] fp32, or
+    bf16/fp16 (the state in the model dtype, as vLLM's MiniMax layer keeps it:
+    updated in fp32, stored rounded; the output uses the unrounded state), any
+    strides; updated in place: it is both an argument and a result,
     slope_rate [H] or [H, 1, 1] fp32, slot_idx [B] int32/int64 (-1 = padding).
     Results: "output" [B, H * E] (q dtype) and "kv_caches".
     ``config`` overrides the tiling chosen from the table below.
@@ -599,7 +602,7 @@ def _validate_decode(q, k, v, kv_caches, slope_rate, slot_idx) -> _Decode:
     _check_head("v", e)
     check_ndim("kv_caches", kv_caches, 4, "[num_slots, H, D, E]")
     check_shape("kv_caches", kv_caches, (kv_caches.shape[0], h, d, e), "[num_slots, H, D, E]")
-    check_dtype("kv_caches", kv_caches, ("float32",))
+    check_dtype("kv_caches", kv_caches, FLOAT_DTYPES)
     slope_rate = _check_decay("slope_rate", slope_rate, h)
     check_shape("slot_idx", slot_idx, (b,), "[B]")
     check_dtype("slot_idx", slot_idx, INT_DTYPES)

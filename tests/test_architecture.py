@@ -174,3 +174,63 @@ def test_pyproject_pins_the_bridged_jax_triton_range():
     low = spec.split(",")[0][2:]
     assert low in SUPPORTED, "the lowest supported jax-triton must be one the bridge was written for"
     assert np.all([s.startswith("0.3.") for s in SUPPORTED])
+
+
+# ------------------------------------------------------------ CPU import order
+def _triton_library_helpers() -> set:
+    """Names of triton.language functions that are themselves @triton.jit
+    helpers (tl.cdiv, tl.sum, tl.zeros, ...): decorated when triton.language is
+    imported, so compiled rather than interpreted if that import came before ours."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+    return {n for n in dir(tl) if isinstance(getattr(tl, n), (JITFunction, InterpretedFunction))}
+
+
+def test_no_triton_kernel_calls_a_library_jit_helper():
+    import ast
+    import pathlib
+    helpers = _triton_library_helpers()
+    assert {"cdiv", "sum", "zeros"} <= helpers
+    root = pathlib.Path(core_kernels.__file__).parent
+    found = []
+    for path in sorted(root.glob("*/kernels.py")) + sorted(root.glob("*/*_kernels.py")):
+        if path.name == "gluon_kernels.py":  # GPU only, never interpreted
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id == "tl" and node.attr in helpers):
+                found.append(f"{path.relative_to(root)}:{node.lineno}: tl.{node.attr}")
+    assert not found, "kernels call triton.language @jit helpers (breaks the CPU path " \
+                      "when triton.language is imported first):\n" + "\n".join(found)
+
+
+_IMPORT_FIRST = """
+import triton, triton.language, torch._dynamo  # before our package
+import numpy as np, torch
+import adapters.torch as at, adapters.jax as aj
+from core_kernels.lightning_attention import lightning_attention_reference
+g = np.random.default_rng(0)
+q, k, v = (g.standard_normal((1, 2, 70, 16)).astype(np.float32) for _ in range(3))
+ed = g.uniform(0.01, 1, 2).astype(np.float32)
+ref = lightning_attention_reference(q, k, v, ed, 32)[0]
+o = at.lightning_attention(*map(torch.from_numpy, (q, k, v, ed)), 32)[0].numpy()
+oj = np.asarray(aj.lightning_attention(q, k, v, ed, 32)[0])
+assert np.allclose(o, ref, rtol=1e-4, atol=1e-4) and np.array_equal(o, oj), "wrong result"
+print("ok")
+"""
+
+
+@pytest.mark.skipif(GPU, reason="the interpreter path (CPU machines)")
+def test_cpu_path_independent_of_import_order():
+    """Importing triton, triton.language and torch._dynamo before our package must
+    not break the interpreted kernels (it did: lightning prefill's tl.cdiv)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    repo = pathlib.Path(core_kernels.__file__).parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(repo)
+    res = subprocess.run([sys.executable, "-c", _IMPORT_FIRST], env=env, cwd=repo,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]

@@ -32,11 +32,12 @@ import triton.language as tl
 from .._triton_utils import jit
 
 
-# NOTE: tl.zeros and tl.sum are @triton.jit helpers of triton.language, which
-# the interpreter (CPU path) cannot call from a kernel interpreted by
-# core_kernels._interpret; tl.full and tl.reduce(x, axis, tl.standard._sum_combine)
-# are builtins that compile to the same code (and the latter hits the
-# interpreter's numpy fast path for sums).
+# NOTE: tl.zeros, tl.sum, tl.cdiv, ... are @triton.jit helpers of triton.language,
+# which the interpreter (CPU path) cannot call from a kernel interpreted by
+# core_kernels._interpret when triton.language was imported before our package
+# (tests/test_architecture.py checks that no kernel uses one); tl.full,
+# tl.reduce(x, axis, tl.standard._sum_combine) and plain integer arithmetic
+# compile to the same code (the reduce hits the interpreter's numpy fast path).
 @triton.jit
 def _operand(x, DOT_BF16: tl.constexpr):
     """MMA operand dtype: bf16 for bf16 inputs (bf16 has fp32's range), else fp32
@@ -247,7 +248,7 @@ def _lightning_prefill_kernel(
     i_bh = r // N_E
     i_b = (i_bh // num_heads).to(tl.int64)
     i_h = (i_bh % num_heads).to(tl.int64)
-    num_segments = tl.cdiv(num_blocks, blocks_per_seg)
+    num_segments = (num_blocks + blocks_per_seg - 1) // blocks_per_seg  # not tl.cdiv: see the NOTE above
     s = tl.load(decay_ptr + i_h * stride_decay).to(tl.float32)
 
     o_t = tl.arange(0, BLOCK_T)

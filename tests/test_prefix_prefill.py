@@ -190,6 +190,7 @@ def _error_cases():
         ("q", _bad(c, q=np.zeros((t, 4, 300), f32), k=np.zeros((t, 2, 300), f32),
                    v=np.zeros((t, 2, 300), f32)), {}),                         # D > 256
         ("k_cache", c, dict(kv_cache_dtype="fp8_e5m2")),                       # fp32 cache as fp8
+        ("k_cache", c, dict(kv_cache_dtype="float16")),                        # fp32 cache named fp16
         ("config", c, dict(config=PrefixPrefillConfig(24, 16))),               # not a power of two
         ("config", c, dict(config=PrefixPrefillConfig(16, 16, prefetch_ids=3))),
     ]
@@ -317,6 +318,18 @@ class PrefixPrefillTests:
         case = make_case([(25, 40), (1, 60), (18, 0)], 4, 2, 32, 16, 8, "float16",
                          window=opts.get("sliding_window"))
         check(self.attention(case, **opts), reference(case, **opts), "float16", options)
+
+    @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+    def test_plain_cache_dtype_names(self, dtype):
+        """vLLM's kernel tests name a plain cache by its dtype ("float16"): as "auto"
+        (bitwise the same launch), and a cache of another dtype is refused."""
+        case = make_case([(21, 50), (1, 20), (9, 0)], 4, 2, 32, 16, 8, dtype)
+        named = self.attention(case, kv_cache_dtype=dtype)
+        check(named, reference(case, kv_cache_dtype=dtype), dtype, dtype)
+        assert_bitwise_equal(named, self.attention(case), f"{dtype!r} vs 'auto'")
+        other = "float16" if dtype != "float16" else "float32"
+        with pytest.raises(TypeError, match="k_cache"):
+            self.attention(case, kv_cache_dtype=other)
 
     @pytest.mark.parametrize("kv_cache_dtype,as_uint8", [("fp8", True), ("fp8_e4m3", False),
                                                          ("fp8_e5m2", True), ("auto", False)])

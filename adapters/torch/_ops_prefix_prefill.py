@@ -5,11 +5,14 @@ from typing import Optional
 
 import torch
 
-from core_kernels._plan import decode_config, encode_config
+from core_kernels import _index_check
+from core_kernels._plan import INT32_MAX, as_float, as_int, decode_config, encode_config
 from core_kernels.prefix_prefill import plan_prefix_prefill
 
 from ._executor import planned, run_plan
+from ._index_validation import check_indices, index_validation
 from ._register import custom_op
+from ._scalars import scale_tensor
 
 
 def _impl(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], o: torch.Tensor,
@@ -36,21 +39,12 @@ def _impl(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
 _op = custom_op("context_attention_fwd", _impl, mutates_args=("o",))
 
 
-def _scale_tensor(name, value, like):
-    if value is None or isinstance(value, torch.Tensor):
-        return value
-    if not isinstance(value, (int, float)):
-        raise TypeError(f"{name}: expected a float or a 1-element float32 tensor, "
-                        f"got {type(value).__name__}")
-    return torch.tensor([float(value)], dtype=torch.float32, device=like.device)
-
-
 def context_attention_fwd(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b_start_loc,
                           b_seq_len, max_seq_len, max_input_len, k_scale=None, v_scale=None,
                           alibi_slopes=None, sliding_window=None, sm_scale=None,
                           skip_decode=False, fp8_out_scale=None, sinks=None,
                           is_block_table_ptr=False, interleaved_v_pack_factor=0, causal=True, *,
-                          config=None) -> None:
+                          config=None, validate_indices=None) -> None:
     """Causal attention of new tokens over their paged context and themselves; writes ``o``.
 
     Args:
@@ -61,16 +55,19 @@ def context_attention_fwd(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b
         o: [T, Hq, D] output, written in place: q's dtype, or float8_e4m3fn with
             ``fp8_out_scale`` (o = fp8(clamp(attn / fp8_out_scale))).
         kv_cache_dtype: "auto" (the cache dtype: q's, or an fp8 dtype), "fp8" /
-            "fp8_e4m3" or "fp8_e5m2" (a uint8 cache is reinterpreted).
+            "fp8_e4m3" or "fp8_e5m2" (a uint8 cache is reinterpreted), or the
+            plain cache's dtype name "float16" / "bfloat16" / "float32" (as
+            "auto"; the cache must be of that dtype).
         k_cache: [num_blocks, Hkv, D // x, block_size, x]; v_cache: [num_blocks,
             Hkv, D, block_size]; any x dividing D, any block_size.
         b_loc: [B, max_blocks_per_seq] int32/int64 block table; b_start_loc: [B + 1]
             cumulative query starts; b_seq_len: [B] context + query lengths (all
             device data: new values never recompile).
-        max_seq_len: unused (vLLM signature). max_input_len: upper bound on the
-            query length of any sequence (sets the grid).
-        k_scale, v_scale: fp8 dequantisation scales (1-element float32 tensors or
-            floats), applied to fp8 cache values only.
+        max_seq_len: unused (vLLM signature; an int >= 0). max_input_len: upper
+            bound on the query length of any sequence (sets the grid; an int >= 0,
+            a value above T acts as T).
+        k_scale, v_scale: fp8 dequantisation scales (1-element float32 tensors:
+            device data, or finite floats > 0), applied to fp8 cache values only.
         alibi_slopes: optional [Hq] float; sliding_window: None or <= 0 disables,
             else key t is visible to query position p iff p - t < window.
         sm_scale: softmax scale (default 1/sqrt(D)); sinks: optional [Hq] logits
@@ -87,21 +84,41 @@ def context_attention_fwd(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b
             sequence (and its whole context); not with alibi_slopes.
         config: optional ``core_kernels.prefix_prefill.PrefixPrefillConfig``
             overriding the tiling (and the context gather) the planner would choose.
+        validate_indices: True checks b_loc, b_start_loc, b_seq_len and
+            max_input_len against each other and the cache before the launch (one
+            host sync; ValueError naming the argument); False never; None (default)
+            follows TANDEM_VALIDATE_INDICES (docs/index_validation.md).
     All tensors may have any strides. Works eagerly, under
     ``torch.compile(fullgraph=True)`` and in CUDA graphs; CPU tensors run under
     Triton's interpreter on a machine without a GPU.
     """
-    del max_seq_len
+    if index_validation(validate_indices, b_loc, b_start_loc, b_seq_len):
+        _check_indices(q, k, k_cache, b_loc, b_start_loc, b_seq_len, max_input_len,
+                       sliding_window, skip_decode, is_block_table_ptr)
+    as_int("max_seq_len", max_seq_len, 0)  # unused (vLLM's signature), but an int all the same
+    # host scalars as plain ints / floats (docs/scalar_policy.md); ranges are the planner's
     _op(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b_start_loc, b_seq_len,
-        int(max_input_len), _scale_tensor("k_scale", k_scale, q),
-        _scale_tensor("v_scale", v_scale, q), alibi_slopes,
-        None if sliding_window is None else int(sliding_window),
-        None if sm_scale is None else float(sm_scale), bool(skip_decode),
-        _scale_tensor("fp8_out_scale", fp8_out_scale, q), sinks, bool(causal),
-        _pack_factor(interleaved_v_pack_factor), bool(is_block_table_ptr), encode_config(config))
+        as_int("max_input_len", max_input_len), scale_tensor("k_scale", k_scale, q),
+        scale_tensor("v_scale", v_scale, q), alibi_slopes,
+        None if sliding_window is None else as_int("sliding_window", sliding_window),
+        None if sm_scale is None else as_float("sm_scale", sm_scale, finite=False),
+        bool(skip_decode), scale_tensor("fp8_out_scale", fp8_out_scale, q), sinks, bool(causal),
+        as_int("interleaved_v_pack_factor", interleaved_v_pack_factor, 0, INT32_MAX),
+        bool(is_block_table_ptr), encode_config(config))
 
 
-def _pack_factor(x):
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise ValueError(f"interleaved_v_pack_factor: expected an int >= 0, got {x!r}")
-    return x
+def _check_indices(q, k, k_cache, b_loc, b_start_loc, b_seq_len, max_input_len, sliding_window,
+                   skip_decode, is_block_table_ptr):
+    """Index validation (one host sync); malformed arguments are left to the planner."""
+    if not (isinstance(q, torch.Tensor) and q.dim() == 3 and isinstance(k_cache, torch.Tensor)
+            and k_cache.dim() == 5):
+        return
+    check_indices(_index_check.check_prefix_prefill,
+                  dict(b_loc=b_loc, b_start_loc=b_start_loc, b_seq_len=b_seq_len),
+                  num_tokens=q.shape[0], num_blocks=k_cache.shape[0], block_size=k_cache.shape[3],
+                  max_input_len=int(max_input_len),
+                  sliding_window=None if sliding_window is None else int(sliding_window),
+                  skip_decode=bool(skip_decode), cache_new=k is None,
+                  is_block_table_ptr=bool(is_block_table_ptr),
+                  k_cache_address=k_cache.data_ptr(),
+                  block_bytes=k_cache.stride(0) * k_cache.element_size())

@@ -6,9 +6,10 @@ import math
 
 import numpy as np
 
-from .._plan import (FLOAT_DTYPES, FP8_DTYPES, FP8_MAX, INT_DTYPES, ITEMSIZE, ArrayInfo, Buffer,
-                     Launch, Plan, Scalar, cdiv, check_config, check_dtype, check_ndim, check_shape,
-                     config_class, memoize, next_pow2)
+from .._plan import (FLOAT_DTYPES, FP8_DTYPES, FP8_MAX, INT32_MAX, INT_DTYPES, ITEMSIZE,
+                     ArrayInfo, Buffer, Launch, Plan, Scalar, as_float, as_int, cdiv, check_config,
+                     check_dtype, check_ndim, check_scalar_array, check_shape, config_class, memoize,
+                     next_pow2)
 from .._target import Target
 from .._triton_utils import FP8_ROUNDING
 from .kernels import _prefix_prefill_gather_kernel, _prefix_prefill_kernel
@@ -17,6 +18,9 @@ MAX_HEAD_SIZE = 256
 LOG2E = 1.4426950408889634
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
                    "fp8_e5m2": "float8_e5m2"}
+# vLLM's cache-dtype names of a plain (unquantised) cache: as "auto", and the
+# cache must be of that dtype (vLLM's kernel tests pass "float16")
+PLAIN_CACHE_DTYPES = ("float16", "bfloat16", "float32")
 
 
 @config_class
@@ -155,7 +159,8 @@ def plan_prefix_prefill(target: Target, q, k, v, k_cache, v_cache, b_loc, b_star
     if config is not None:
         _check_tiles(config)
     problem = _validate(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, output, k_scale,
-                        v_scale, alibi_slopes, sinks, fp8_out_scale, int(max_input_len),
+                        v_scale, alibi_slopes, sinks, fp8_out_scale,
+                        as_int("max_input_len", max_input_len, 0),
                         kv_cache_dtype, sliding_window, sm_scale, bool(skip_decode), output_dtype,
                         bool(causal), interleaved_v_pack_factor, bool(is_block_table_ptr))
     if problem.t == 0 or problem.bsz == 0 or problem.hq == 0 or problem.max_input_len == 0:
@@ -199,9 +204,7 @@ def _validate(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, output, 
                                       q.shape[-1]), q.dtype)
     t, hq, hkv, d = _check_tokens(q, k, v)
     block_size, x, fp8 = _check_cache(k_cache, v_cache, hkv, d, kv_cache_dtype, q.dtype)
-    if isinstance(v_pack, bool) or not isinstance(v_pack, (int, np.integer)) or v_pack < 0:
-        raise ValueError(f"interleaved_v_pack_factor: expected an int >= 0, got {v_pack!r}")
-    v_pack = int(v_pack)
+    v_pack = as_int("interleaved_v_pack_factor", v_pack, 0, INT32_MAX)
     if v_pack:
         if block_size % v_pack:
             raise ValueError(f"interleaved_v_pack_factor: {v_pack} does not divide the cache "
@@ -229,14 +232,15 @@ def _validate(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, output, 
         if info is not None:
             check_shape(name, info, (hq,), "[Hq]")
             check_dtype(name, info, FLOAT_DTYPES)
-    if max_input_len < 0:
-        raise ValueError(f"max_input_len: must be >= 0, got {max_input_len}")
-    sm_scale = None if sm_scale is None else float(sm_scale)
-    if sm_scale is not None and not math.isfinite(sm_scale):
-        raise ValueError(f"sm_scale: must be finite, got {sm_scale}")
+    # no sequence has more new tokens than T: a larger bound is T (it only sets the grid)
+    max_input_len = min(max_input_len, t)
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else as_float("sm_scale", sm_scale)
+    if not np.isfinite(np.float32(scale * LOG2E)):
+        raise ValueError(f"sm_scale: {scale} * log2(e) overflows float32 (the kernel's scale)")
     out_fp8, output, out_in, buffers = _check_output(output, fp8_out_scale, output_dtype, q, (t, hq, d))
 
-    window = int(sliding_window) if sliding_window is not None and sliding_window > 0 else 0
+    window = 0 if sliding_window is None else max(0, as_int("sliding_window", sliding_window,
+                                                           hi=INT32_MAX))  # <= 0: no window
     names = ("stride_q_t", "stride_q_h", "stride_q_d", "stride_k_t", "stride_k_h", "stride_k_d",
              "stride_v_t", "stride_v_h", "stride_v_d", "stride_o_t", "stride_o_h", "stride_o_d")
     strides = dict(zip(names, (*q.strides, *k.strides, *v.strides, *output.strides)))
@@ -249,7 +253,7 @@ def _validate(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, output, 
     return _Problem(
         t=t, hq=hq, hkv=hkv, d=d, block_d=max(16, next_pow2(d)), group=hq // hkv, bsz=bsz, block_size=block_size, x=x, max_input_len=max_input_len,
         q_dtype=q.dtype, fp8=fp8, scratch_dtype=q.dtype if fp8 else k_cache.dtype, out_fp8=out_fp8,
-        window=window, scale=1.0 / math.sqrt(d) if sm_scale is None else sm_scale,
+        window=window, scale=scale,
         alibi=alibi_slopes is not None, sinks=sinks is not None, skip_decode=skip_decode,
         causal=causal, cache_new=cache_new, v_pack=v_pack, bt_ptr=bt_ptr,
         block_bytes=k_cache.strides[0] * ITEMSIZE[k_cache.dtype],
@@ -297,14 +301,16 @@ def _check_cache(k_cache, v_cache, hkv, d, kv_cache_dtype, q_dtype):
 
 def _fp8_format(name: str, info: ArrayInfo, kv_cache_dtype: str, q_dtype: str):
     """The fp8 format the cache holds, or None for a cache in the query dtype."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype: expected one of {tuple(KV_CACHE_DTYPES)}, "
-                         f"got {kv_cache_dtype!r}")
-    fmt = KV_CACHE_DTYPES[kv_cache_dtype]
+    if kv_cache_dtype not in KV_CACHE_DTYPES and kv_cache_dtype not in PLAIN_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: expected one of "
+                         f"{tuple(KV_CACHE_DTYPES) + PLAIN_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    fmt = KV_CACHE_DTYPES.get(kv_cache_dtype)
     if fmt is None:
         if info.dtype == "uint8":
             raise ValueError(f"{name}: a uint8 cache needs kv_cache_dtype 'fp8', 'fp8_e4m3' "
-                            "or 'fp8_e5m2' to say how to read it, got 'auto'")
+                            f"or 'fp8_e5m2' to say how to read it, got {kv_cache_dtype!r}")
+        if kv_cache_dtype != "auto" and info.dtype != kv_cache_dtype:
+            raise TypeError(f"{name}: dtype {info.dtype} is not kv_cache_dtype {kv_cache_dtype!r}")
         if info.dtype in FP8_DTYPES:
             return info.dtype
         if info.dtype != q_dtype:
@@ -323,9 +329,7 @@ def _check_scalar_array(name: str, info: ArrayInfo | None, needed: bool):
         if needed:
             raise ValueError(f"{name}: required here")
         return
-    if math.prod(info.shape) != 1 or info.dtype != "float32":
-        raise ValueError(f"{name}: expected a 1-element float32 array, got shape "
-                         f"{tuple(info.shape)} dtype {info.dtype}")
+    check_scalar_array(name, info, ("float32",))  # device data: the value is the kernel's
 
 
 def _check_output(output, fp8_out_scale, output_dtype, q, shape):

@@ -35,7 +35,7 @@ def context_attention_reference(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b
     the cache is ignored, as the spec requires.
     """
     fmt = None
-    if kv_cache_dtype != "auto":
+    if kv_cache_dtype in FP8_FORMATS:  # else "auto" or a plain dtype's name
         fmt = FP8_FORMATS[kv_cache_dtype]
     elif np.asarray(k_cache).dtype.name.startswith("float8"):
         fmt = np.asarray(k_cache).dtype.name

@@ -55,3 +55,19 @@ LIGHTNING_DECODE = [
     dict(name=f"decode-B{b}-{dt}", b=b, h=64, d=128, dtype=dt, baselines=b == 64 and dt == "bfloat16")
     for b in (1, 64, 256) for dt in ("bfloat16", "float32")
 ]
+
+
+# lightning attention over packed sequences (lightning_attention_varlen, MiniMax heads):
+# (name, sequence lengths); every case runs in bf16 and fp32, with a slot cache
+LIGHTNING_VARLEN_LENS = {
+    # the issue-22 batch: 16 sequences of 256-8192 tokens, mixed (51,409 tokens)
+    "B16-mixed256-8192": [8192, 256, 4096, 512, 1024, 7000, 300, 2048, 6000, 256, 3000, 5000, 1500,
+                          700, 8192, 3333],
+    "B64-mixed64-1024": [64 + (i * 389) % 961 for i in range(64)],
+    "B2-32768": [32768, 32768],
+}
+LIGHTNING_VARLEN = [
+    dict(name=f"varlen-{name}-{dt}", lens=lens, h=64, d=128, e=128, dtype=dt,
+         sweep=name == "B16-mixed256-8192")
+    for name, lens in LIGHTNING_VARLEN_LENS.items() for dt in ("bfloat16", "float32")
+]

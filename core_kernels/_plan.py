@@ -230,6 +230,67 @@ def check_inner_contiguous(name: str, info: ArrayInfo) -> None:
                          f"got strides {tuple(info.strides)}")
 
 
+# ---------------------------------------------------------------- scalar arguments
+# The scalar policy of every op and both adapters (docs/scalar_policy.md): host
+# numbers are checked here, by name, before any launch; arrays and tensors that a
+# kernel reads (scales, counts) are device data and are never read on the host.
+INT32_MAX = 2 ** 31 - 1
+INT64_MAX = 2 ** 63 - 1
+FP32_MAX = float(np.finfo(np.float32).max)
+
+
+def _is_bool(value) -> bool:
+    return isinstance(value, (bool, np.bool_)) or "bool" in str(getattr(value, "dtype", ""))
+
+
+def as_int(name: str, value, lo: int | None = None, hi: int = INT64_MAX, what: str = "") -> int:
+    """``value`` as a Python int, checked: a Python or numpy integer, or a 0-d
+    integer array / tensor (read on the host); never a bool or a float (2.5 and
+    2.0 alike: no silent rounding). TypeError for the wrong type, ValueError
+    outside [lo, hi] (``hi`` defaults to int64's largest value; pass INT32_MAX
+    where a kernel holds the value in int32). ``what`` names the bound in messages."""
+    if _is_bool(value):
+        raise TypeError(f"{name}: expected an int, got the bool {value!r}")
+    try:
+        v = int(value.__index__()) if not isinstance(value, int) else int(value)
+    except (AttributeError, TypeError, ValueError) as e:  # floats, strings, traced values, ...
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}"
+                        + (f" ({e})" if str(e) and not isinstance(e, AttributeError) else "")) from None
+    if (lo is not None and v < lo) or v > hi:
+        bound = f"in [{lo}, {hi}]" if lo is not None else f"<= {hi}"
+        raise ValueError(f"{name}: expected an int {bound}{f' ({what})' if what else ''}, got {v}")
+    return v
+
+
+def as_float(name: str, value, *, finite: bool = True, positive: bool = False) -> float:
+    """``value`` as a Python float, checked: a Python or numpy number, or a 0-d /
+    1-element array or tensor (read on the host); never a bool or a string.
+    ``finite``: NaN, +-inf and values beyond float32's range (kernels take fp32
+    scalars) raise ValueError; ``positive``: so do values <= 0."""
+    if _is_bool(value) or isinstance(value, (str, bytes)):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__} {value!r}")
+    try:
+        v = float(value)
+    except OverflowError:
+        v = math.inf if value > 0 else -math.inf
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__} ({e})") from None
+    if finite and not (math.isfinite(v) and abs(v) <= FP32_MAX):
+        raise ValueError(f"{name}: expected a finite float32 value, got {v}")
+    if positive and not v > 0:
+        raise ValueError(f"{name}: expected a value > 0, got {v}")
+    return v
+
+
+def check_scalar_array(name: str, info: ArrayInfo, dtypes: Sequence[str]) -> None:
+    """A scalar passed as device data: one element (0-d or any shape of size 1)
+    of one of ``dtypes``. Its value is never read on the host."""
+    if math.prod(info.shape) != 1 or info.dtype not in dtypes:
+        raise (TypeError if math.prod(info.shape) == 1 else ValueError)(
+            f"{name}: expected a 1-element {' or '.join(dtypes)} array, got shape "
+            f"{tuple(info.shape)} dtype {info.dtype}")
+
+
 def normalize_dtype_name(dtype: Any) -> str:
     """'torch.float16', np.float16, jnp.bfloat16 ... -> 'float16'."""
     name = str(dtype)

@@ -7,6 +7,8 @@
 source "$(dirname "$0")/env.sh"   # exits on failure (set -e there)
 set +eu -o pipefail
 export PYTHONUNBUFFERED=1
+# the property tests' larger hypothesis profile (tests/conftest.py)
+export TANDEM_HYPOTHESIS_PROFILE=${TANDEM_HYPOTHESIS_PROFILE:-gpu}
 OUT=${OUT:-$PWD/results}; mkdir -p "$OUT"
 what=${1:-all}; shift || true
 ops=("$@")

@@ -71,6 +71,9 @@ VLLM_SIGNATURES = {
         _p("output", "prefix_output", "prefix_lse", "suffix_output", "suffix_lse")
         + (Param("output_lse", default=None), Param("prefill_tokens_with_context", default=None),
            Param("output_scale", default=None))),
+    "mask_empty_context_lse": VllmSignature(
+        "vllm/v1/attention/ops/triton_merge_attn_states.py (commit 073c5a87)",
+        _p("lse", "query_start_loc", "context_start_loc")),
     "context_attention_fwd": VllmSignature(
         "vllm/attention/ops/prefix_prefill.py (vLLM 0.33)",
         _p("q", "k", "v", "o", "kv_cache_dtype", "k_cache", "v_cache", "b_loc", "b_start_loc",

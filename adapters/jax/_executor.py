@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from core_kernels._interpret import run_plan_numpy
-from core_kernels._plan import ArrayInfo, Plan, Scalar
+from core_kernels._plan import ArrayInfo, Plan, Scalar, as_float
 from core_kernels._target import Target
 
 from . import _gluon_bridge
@@ -53,6 +53,21 @@ def as_array(name: str, value, dtype, size: int = 1):
             else jnp.issubdtype(arr.dtype, jnp.floating) or jnp.issubdtype(arr.dtype, jnp.integer)):
         raise TypeError(f"{name}: expected a {jnp.dtype(dtype).name} value, got {arr.dtype}")
     return arr.astype(dtype).reshape(size)
+
+
+def is_device_data(value) -> bool:
+    """A JAX array (committed or traced) is device data, never read on the host; a
+    Python / numpy number or numpy array is a host value, checked by the scalar
+    policy (docs/scalar_policy.md)."""
+    return isinstance(value, jax.Array)
+
+
+def scale_array(name: str, value):
+    """A scale as a 1-element float32 device array; a host number must be finite
+    and > 0 (core_kernels._plan.as_float), a JAX array is passed on unchecked."""
+    if not is_device_data(value) and np.ndim(value) == 0:  # a host number (lists: as_array's errors)
+        value = as_float(name, value, positive=True)
+    return as_array(name, value, jnp.float32)
 
 
 def interpret_requested() -> bool:

@@ -7,15 +7,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from core_kernels import _index_check
+from core_kernels._plan import as_float, as_int
 from core_kernels.blocksparse_attention import (active_heads, build_sparse_layout,
                                                 get_head_sliding_step,
                                                 plan_blocksparse_attention, vllm_sparse_attn_mask)
 
 from ._executor import info, run_plan, target
+from ._index_validation import check_indices, index_validation
 
 
 def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_scale, sparse_layout,
-                                      *, block_size=64, q_block_size=None, max_seqlen=None, config=None):
+                                      *, block_size=64, q_block_size=None, max_seqlen=None, config=None,
+                                      validate_indices=None):
     """Causal block-sparse attention over packed (varlen) sequences.
 
     Same arguments and result as the torch adapter's function (q [Tq, Hq, D],
@@ -26,9 +30,19 @@ def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_sc
     ``config`` (static): an optional ``BlocksparsePrefillConfig``,
     ``BlocksparseDecodeConfig`` or ``BlocksparseGroupDecodeConfig`` overriding the
     planner's kernel variant and tuning (see the torch adapter).
+    ``validate_indices``: True checks cu_seqlens_k/q, the layout and max_seqlen
+    before the launch (one host transfer; ValueError naming the argument; traced
+    arrays: ValueError), False never, None follows TANDEM_VALIDATE_INDICES
+    (docs/index_validation.md).
     Returns [Tq, Hq, D] in q's dtype.
     """
     crow, col = (jnp.asarray(x) for x in sparse_layout)
+    if index_validation(validate_indices, cu_seqlens_k, cu_seqlens_q, crow, col) \
+            and q.ndim == 3 and k.ndim == 3:
+        check_indices(_index_check.check_blocksparse_attention,
+                      dict(cu_seqlens_k=cu_seqlens_k, cu_seqlens_q=cu_seqlens_q, crow=crow, col=col),
+                      num_q_tokens=q.shape[0], num_k_tokens=k.shape[0], block_size=int(block_size),
+                      max_seqlen=None if max_seqlen is None else int(max_seqlen))
     arrays = dict(q=q, k=k, v=v, cu_seqlens_k=cu_seqlens_k, crow=crow, col=col)
     if cu_seqlens_q is not None:
         arrays["cu_seqlens_q"] = cu_seqlens_q
@@ -36,9 +50,10 @@ def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_sc
     plan = plan_blocksparse_attention(
         tgt, info(q), info(k), info(v), info(cu_seqlens_k),
         None if cu_seqlens_q is None else info(cu_seqlens_q), info(crow), info(col),
-        sm_scale=None if sm_scale is None else float(sm_scale), block_size=int(block_size),
-        q_block_size=None if q_block_size is None else int(q_block_size),
-        max_seqlen=None if max_seqlen is None else int(max_seqlen), config=config)
+        sm_scale=None if sm_scale is None else as_float("sm_scale", sm_scale, finite=False),
+        block_size=as_int("block_size", block_size),
+        q_block_size=None if q_block_size is None else as_int("q_block_size", q_block_size),
+        max_seqlen=None if max_seqlen is None else as_int("max_seqlen", max_seqlen), config=config)
     return run_plan(plan, arrays, tgt)[0]
 
 
@@ -115,12 +130,13 @@ class LocalStridedBlockSparseAttn:
         when use_spda)), heads sliced to active_head_range unless homo_head."""
         return self._attn_pattern(dtype, device, self.use_spda)
 
-    def varlen_attn(self, q, k, v, cu_seqlens_k, cu_seqlens_q=None, sm_scale=None, *, config=None):
+    def varlen_attn(self, q, k, v, cu_seqlens_k, cu_seqlens_q=None, sm_scale=None, *, config=None,
+                    validate_indices=None):
         sm_scale = sm_scale or 1.0 / math.sqrt(q.shape[-1])
         return blocksparse_flash_attn_varlen_fwd(
             q, k, v, cu_seqlens_k, cu_seqlens_q, sm_scale, self.sparse_layout,
             block_size=self.block_size, q_block_size=self.q_block_size, max_seqlen=self.max_seqlen,
-            config=config)
+            config=config, validate_indices=validate_indices)
 
     @staticmethod
     def transpose_and_pad(x, cu_seqlens, maxlen, head_repeats=1):
@@ -176,7 +192,8 @@ class LocalStridedBlockSparseAttn:
         out = jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v2, precision="highest")
         return self.transpose_and_unpad(out.astype(q.dtype), cu_seqlens_k, q.shape[0])
 
-    def forward(self, q, k, v, cu_seqlens_k, cu_seqlens_q=None, sm_scale=None, *, config=None):
+    def forward(self, q, k, v, cu_seqlens_k, cu_seqlens_q=None, sm_scale=None, *, config=None,
+                validate_indices=None):
         if k.ndim != 3:
             raise ValueError(f"k: expected shape [Tk, Hkv, D], got {tuple(k.shape)}")
         if self.use_spda:
@@ -184,7 +201,7 @@ class LocalStridedBlockSparseAttn:
                 raise ValueError("config: the module runs the dense fallback (use_spda=True), not a kernel")
             return self.spda(q, k, v, cu_seqlens_k, cu_seqlens_q=cu_seqlens_q, sm_scale=sm_scale)
         return self.varlen_attn(q, k, v, cu_seqlens_k, cu_seqlens_q=cu_seqlens_q, sm_scale=sm_scale,
-                                config=config)
+                                config=config, validate_indices=validate_indices)
 
     __call__ = forward
 

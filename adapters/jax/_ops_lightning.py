@@ -4,10 +4,13 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from core_kernels import _index_check
+from core_kernels._plan import as_int
 from core_kernels.lightning_attention import (check_slot_ids, plan_lightning_attention,
                                               plan_linear_decode)
 
 from ._executor import info, run_plan, target
+from ._index_validation import check_indices, index_validation
 
 
 def lightning_attention(q, k, v, ed, block_size=256, kv_history=None,
@@ -39,13 +42,14 @@ def lightning_attention(q, k, v, ed, block_size=256, kv_history=None,
     tgt = target(arrays)
     plan = plan_lightning_attention(tgt, info(q), info(k), info(v), info(ed),
                                     None if kv_history is None else info(kv_history),
-                                    block_size=block_size, output_final_state_only=output_final_state_only,
+                                    block_size=as_int("block_size", block_size),
+                                    output_final_state_only=output_final_state_only,
                                     config=config)
     return run_plan(plan, arrays, tgt)
 
 
 def linear_decode_forward_triton(q, k, v, kv_caches, slope_rate, slot_idx, BLOCK_SIZE=32, *,
-                                 config=None):
+                                 config=None, validate_indices=None):
     """One decode step of lightning attention over a slot-indexed state cache.
 
     Args:
@@ -60,6 +64,10 @@ def linear_decode_forward_triton(q, k, v, kv_caches, slope_rate, slot_idx, BLOCK
         BLOCK_SIZE: accepted for vLLM compatibility (by position or keyword);
             the tiling is the planner's.
         config: optional ``LightningDecodeConfig`` overriding the planner's tiling (static).
+        validate_indices: True checks slot_idx before the launch, wherever it lives
+            (ids in [-1, num_slots), no non-negative id twice: duplicates race on
+            the GPU; one host transfer; ValueError; traced: ValueError); False
+            never; None follows TANDEM_VALIDATE_INDICES (docs/index_validation.md).
     Returns:
         (output [B, H * E] in q's dtype, new kv_caches). The cache is aliased to
         the kernel's output: under jax.jit with kv_caches donated it is updated
@@ -69,7 +77,10 @@ def linear_decode_forward_triton(q, k, v, kv_caches, slope_rate, slot_idx, BLOCK
             isinstance(slot_idx, jax.Array) and not isinstance(slot_idx, jax.core.Tracer)
             and all(d.platform == "cpu" for d in slot_idx.devices())):
         check_slot_ids(np.asarray(slot_idx), kv_caches.shape[0])
-    del BLOCK_SIZE
+    if index_validation(validate_indices, slot_idx) and kv_caches.ndim == 4:
+        check_indices(_index_check.check_linear_decode, dict(slot_idx=slot_idx),
+                      num_slots=kv_caches.shape[0])
+    as_int("BLOCK_SIZE", BLOCK_SIZE, 1)  # unused (vLLM's signature), but an int all the same
     arrays = dict(q=q, k=k, v=v, kv_caches=kv_caches, slope_rate=slope_rate, slot_idx=slot_idx)
     tgt = target(arrays)
     plan = plan_linear_decode(tgt, info(q), info(k), info(v), info(kv_caches), info(slope_rate),

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from core_kernels.merge_attn_states import plan_merge_attn_states
+from core_kernels._plan import as_int
+from core_kernels.merge_attn_states import (check_prefill_tokens_with_context, plan_mask_empty_context_lse,
+                                           plan_merge_attn_states)
 
-from ._executor import as_array, info, run_plan, target
+from ._executor import as_array, info, is_device_data, run_plan, scale_array, target
 
 
 def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
@@ -16,11 +18,13 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
     Args:
         prefix_output, suffix_output: [N, H, D] float32/float16/bfloat16.
         prefix_lse, suffix_lse: [H, N] float32 natural-log LSE (+inf or -inf = empty part).
-        prefill_tokens_with_context: None (= N), a Python int or a traced int
-            scalar; tokens t >= it copy the suffix. Passed as device data, so a
+        prefill_tokens_with_context: None (= N), a host int (Python/numpy int or
+            0-d numpy array, in [0, N]) or an int JAX array, possibly traced
+            (device data: not checked; outside [0, N] it acts as the nearest
+            bound); tokens t >= it copy the suffix. Passed as device data, so a
             new value never recompiles.
-        output_scale: None, or a float / 1-element float32 array: the output is
-            fp8 e4m3 = fp8(clamp(value / scale)).
+        output_scale: None, or a finite float > 0 / 1-element float32 array: the
+            output is fp8 e4m3 = fp8(clamp(value / scale)).
         output_dtype: the output dtype; defaults to the input dtype (fp8 e4m3
             with output_scale).
         config: optional ``MergeConfig`` overriding the planner's tiling (static).
@@ -30,14 +34,41 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
     arrays = dict(prefix_output=prefix_output, prefix_lse=prefix_lse,
                   suffix_output=suffix_output, suffix_lse=suffix_lse)
     if prefill_tokens_with_context is not None:
-        arrays["prefill_tokens_with_context"] = as_array(
-            "prefill_tokens_with_context", prefill_tokens_with_context, jnp.int32)
+        count = prefill_tokens_with_context
+        if not is_device_data(count):  # a host int: checked (a JAX array is device data)
+            count = as_int("prefill_tokens_with_context", count)
+            if getattr(prefix_output, "ndim", None) == 3:
+                count = check_prefill_tokens_with_context(count, prefix_output.shape[0])
+        arrays["prefill_tokens_with_context"] = as_array("prefill_tokens_with_context", count, jnp.int32)
     if output_scale is not None:
-        arrays["output_scale"] = as_array("output_scale", output_scale, jnp.float32)
+        arrays["output_scale"] = scale_array("output_scale", output_scale)
     tgt = target(arrays)
     plan = plan_merge_attn_states(
         tgt, info(prefix_output), info(prefix_lse), info(suffix_output), info(suffix_lse),
         num_ctx="none" if prefill_tokens_with_context is None else "array",
         output_scale=None if output_scale is None else info(arrays["output_scale"]),
+        prefill_tokens_with_context=(info(arrays["prefill_tokens_with_context"])
+                                     if "prefill_tokens_with_context" in arrays else None),
         output_dtype=None if output_dtype is None else jnp.dtype(output_dtype).name, config=config)
     return run_plan(plan, arrays, tgt)
+
+
+def mask_empty_context_lse(lse, query_start_loc, context_start_loc):
+    """The LSE with -inf at every query token whose context chunk is empty
+    (vLLM's step before merging a chunked-context prefill's two parts).
+
+    Args:
+        lse: [H, T] float32.
+        query_start_loc: [R + 1] int32/int64, non-decreasing: request r's tokens
+            are query_start_loc[r] .. query_start_loc[r + 1] - 1.
+        context_start_loc: [R + 1] int32/int64: request r's context chunk is
+            empty when context_start_loc[r] == context_start_loc[r + 1].
+    Returns:
+        the new lse [H, T], aliased to the input (under jax.jit with lse donated
+        it is updated without a copy). Tokens of no request keep their values.
+    """
+    arrays = dict(lse=lse, query_start_loc=query_start_loc, context_start_loc=context_start_loc)
+    tgt = target(arrays)
+    plan = plan_mask_empty_context_lse(tgt, info(lse), info(query_start_loc), info(context_start_loc))
+    (out,) = run_plan(plan, arrays, tgt)
+    return out

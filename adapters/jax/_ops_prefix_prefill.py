@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
+from core_kernels import _index_check
+from core_kernels._plan import as_float, as_int
 from core_kernels.prefix_prefill import plan_prefix_prefill
 
-from ._executor import as_array, info, run_plan, target
+from ._executor import info, run_plan, scale_array, target
+from ._index_validation import buffer_address, check_indices, index_validation
 
 
 def context_attention_fwd(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, *,
@@ -13,7 +17,7 @@ def context_attention_fwd(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_l
                           alibi_slopes=None, sliding_window=None, sm_scale=None,
                           skip_decode=False, fp8_out_scale=None, sinks=None, output=None,
                           is_block_table_ptr=False, interleaved_v_pack_factor=0, causal=True,
-                          config=None):
+                          config=None, validate_indices=None):
     """Causal attention of new tokens over their paged context and themselves.
 
     Shapes, dtypes and options as in ``adapters.torch.context_attention_fwd``;
@@ -27,30 +31,55 @@ def context_attention_fwd(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_l
     blocks (``k_cache.unsafe_buffer_pointer() + id * bytes per block``; GPU only:
     under the interpreter the kernels run on host copies, NotImplementedError).
     ``config``: optional ``PrefixPrefillConfig`` overriding the planner's tiling (static).
+    ``validate_indices``: True checks the index data before the launch (one host
+    transfer; ValueError naming the argument; traced arrays: ValueError), False
+    never, None follows TANDEM_VALIDATE_INDICES (docs/index_validation.md).
     Returns o: [T, Hq, D] in q's dtype, or float8_e4m3fn with ``fp8_out_scale``.
     """
     arrays = dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, b_loc=b_loc,
                   b_start_loc=b_start_loc, b_seq_len=b_seq_len, output=output,
                   alibi_slopes=alibi_slopes, sinks=sinks)
     if kv_cache_dtype != "auto" or jnp.dtype(k_cache.dtype).name.startswith("float8"):
-        arrays["k_scale"] = as_array("k_scale", k_scale, jnp.float32)
-        arrays["v_scale"] = as_array("v_scale", v_scale, jnp.float32)
+        arrays["k_scale"] = scale_array("k_scale", k_scale)
+        arrays["v_scale"] = scale_array("v_scale", v_scale)
     if fp8_out_scale is not None:
-        arrays["fp8_out_scale"] = as_array("fp8_out_scale", fp8_out_scale, jnp.float32)
+        arrays["fp8_out_scale"] = scale_array("fp8_out_scale", fp8_out_scale)
     arrays = {n: x for n, x in arrays.items() if x is not None}
     infos = {n: info(x) for n, x in arrays.items()}
     tgt = target(arrays)
     if is_block_table_ptr and tgt.interpret:
         raise NotImplementedError("is_block_table_ptr: block addresses need the GPU (under the "
                                   "interpreter the kernels read host copies of the cache)")
+    if index_validation(validate_indices, b_loc, b_start_loc, b_seq_len):
+        _check_indices(q, k, k_cache, b_loc, b_start_loc, b_seq_len, max_input_len,
+                       sliding_window, skip_decode, is_block_table_ptr)
     plan = plan_prefix_prefill(
         tgt,
         *(infos.get(n) for n in ("q", "k", "v", "k_cache", "v_cache", "b_loc", "b_start_loc",
                                  "b_seq_len", "output", "k_scale", "v_scale", "alibi_slopes",
                                  "sinks", "fp8_out_scale")),
-        max_input_len=q.shape[0] if max_input_len is None else max_input_len,
-        kv_cache_dtype=kv_cache_dtype, sliding_window=sliding_window, sm_scale=sm_scale,
+        # static host scalars as plain ints / floats (docs/scalar_policy.md); ranges: the planner's
+        max_input_len=q.shape[0] if max_input_len is None else as_int("max_input_len", max_input_len),
+        kv_cache_dtype=kv_cache_dtype,
+        sliding_window=None if sliding_window is None else as_int("sliding_window", sliding_window),
+        sm_scale=None if sm_scale is None else as_float("sm_scale", sm_scale, finite=False),
         skip_decode=skip_decode, causal=bool(causal),
-        interleaved_v_pack_factor=interleaved_v_pack_factor,
+        interleaved_v_pack_factor=as_int("interleaved_v_pack_factor", interleaved_v_pack_factor),
         is_block_table_ptr=bool(is_block_table_ptr), config=config)
     return run_plan(plan, arrays, tgt)[0]
+
+
+def _check_indices(q, k, k_cache, b_loc, b_start_loc, b_seq_len, max_input_len, sliding_window,
+                   skip_decode, is_block_table_ptr):
+    """Index validation (one host transfer); malformed arguments are left to the planner."""
+    if q.ndim != 3 or k_cache.ndim != 5:
+        return
+    check_indices(_index_check.check_prefix_prefill,
+                  dict(b_loc=b_loc, b_start_loc=b_start_loc, b_seq_len=b_seq_len),
+                  num_tokens=q.shape[0], num_blocks=k_cache.shape[0], block_size=k_cache.shape[3],
+                  max_input_len=q.shape[0] if max_input_len is None else int(max_input_len),
+                  sliding_window=None if sliding_window is None else int(sliding_window),
+                  skip_decode=bool(skip_decode), cache_new=k is None,
+                  is_block_table_ptr=bool(is_block_table_ptr),
+                  k_cache_address=buffer_address(k_cache) if is_block_table_ptr else None,
+                  block_bytes=int(np.prod(k_cache.shape[1:])) * jnp.dtype(k_cache.dtype).itemsize)

@@ -1,8 +1,8 @@
 """PyTorch adapter: every op is a torch.library custom op over the shared kernels."""
-from ._ops_merge import merge_attn_states
+from ._ops_merge import mask_empty_context_lse, merge_attn_states
 from ._ops_prefix_prefill import context_attention_fwd
 
-__all__ = ["context_attention_fwd", "merge_attn_states"]
+__all__ = ["context_attention_fwd", "mask_empty_context_lse", "merge_attn_states"]
 from ._ops_blocksparse import (LocalStridedBlockSparseAttn, blocksparse_flash_attn_varlen_fwd,
                                get_head_sliding_step, get_sparse_attn_mask)
 
@@ -11,3 +11,6 @@ __all__ += ["LocalStridedBlockSparseAttn", "blocksparse_flash_attn_varlen_fwd", 
 from ._ops_lightning import lightning_attention, linear_decode_forward_triton
 
 __all__ += ["lightning_attention", "linear_decode_forward_triton"]
+from ._ops_lightning_varlen import lightning_attention_varlen
+
+__all__ += ["lightning_attention_varlen"]

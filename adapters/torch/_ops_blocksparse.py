@@ -8,12 +8,14 @@ import math
 import numpy as np
 import torch
 
-from core_kernels._plan import decode_config, encode_config
+from core_kernels import _index_check
+from core_kernels._plan import as_float, as_int, decode_config, encode_config
 from core_kernels.blocksparse_attention import (active_heads, build_sparse_layout,
                                                 get_head_sliding_step,
                                                 plan_blocksparse_attention, vllm_sparse_attn_mask)
 
 from ._executor import planned, run_plan
+from ._index_validation import check_indices, index_validation
 from ._register import custom_op
 
 
@@ -37,7 +39,8 @@ _bsattn_op = custom_op("blocksparse_flash_attn_varlen_fwd", _bsattn_impl,
 
 
 def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_scale, sparse_layout,
-                                      *, block_size=64, q_block_size=None, max_seqlen=None, config=None):
+                                      *, block_size=64, q_block_size=None, max_seqlen=None, config=None,
+                                      validate_indices=None):
     """Causal block-sparse attention over packed (varlen) sequences.
 
     Args:
@@ -59,14 +62,32 @@ def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_sc
             ``BlocksparseDecodeConfig`` (per-head split decode) or
             ``BlocksparseGroupDecodeConfig`` (GQA-packed split decode); the decode
             variants need a decode-only batch and q_block_size == block_size.
-    Returns: [Tq, Hq, D] in q's dtype. No host synchronisation: works under
-    torch.compile(fullgraph=True) and in CUDA graphs.
+        validate_indices: True checks cu_seqlens_k/q, the layout and max_seqlen
+            before the launch (one host sync; ValueError naming the argument); False
+            never; None (default) follows TANDEM_VALIDATE_INDICES (docs/index_validation.md).
+    Returns: [Tq, Hq, D] in q's dtype. No host synchronisation (unless validating):
+    works under torch.compile(fullgraph=True) and in CUDA graphs.
     """
     crow, col = sparse_layout
+    if index_validation(validate_indices, cu_seqlens_k, cu_seqlens_q, crow, col):
+        _check_indices(q, k, cu_seqlens_k, cu_seqlens_q, crow, col, block_size, max_seqlen)
     return _bsattn_op(q, k, v, cu_seqlens_k, cu_seqlens_q, crow, col,
-                      None if sm_scale is None else float(sm_scale), int(block_size),
-                      None if q_block_size is None else int(q_block_size),
-                      None if max_seqlen is None else int(max_seqlen), encode_config(config))
+                      None if sm_scale is None else as_float("sm_scale", sm_scale, finite=False),
+                      as_int("block_size", block_size),
+                      None if q_block_size is None else as_int("q_block_size", q_block_size),
+                      None if max_seqlen is None else as_int("max_seqlen", max_seqlen),
+                      encode_config(config))
+
+
+def _check_indices(q, k, cu_seqlens_k, cu_seqlens_q, crow, col, block_size, max_seqlen):
+    """Index validation (one host sync); malformed arguments are left to the planner."""
+    if not (isinstance(q, torch.Tensor) and q.dim() == 3 and isinstance(k, torch.Tensor)
+            and k.dim() == 3):
+        return
+    check_indices(_index_check.check_blocksparse_attention,
+                  dict(cu_seqlens_k=cu_seqlens_k, cu_seqlens_q=cu_seqlens_q, crow=crow, col=col),
+                  num_q_tokens=q.shape[0], num_k_tokens=k.shape[0], block_size=int(block_size),
+                  max_seqlen=None if max_seqlen is None else int(max_seqlen))
 
 
 def _torch_device(device):
@@ -144,8 +165,9 @@ class LocalStridedBlockSparseAttn(torch.nn.Module):
       (CPU tensors through Triton's interpreter); True runs ``spda`` (torch SDPA with
       the dense bias mask, prefill only, reads cu_seqlens on the host).
     - ``dtype`` (default bfloat16) and ``device`` are those of the dense mask.
-    ``forward(q, k, v, cu_seqlens_k, cu_seqlens_q=None, sm_scale=None, *, config=None)``
-    -> [Tq, Hq, D]; ``config`` as blocksparse_flash_attn_varlen_fwd's (kernel only).
+    ``forward(q, k, v, cu_seqlens_k, cu_seqlens_q=None, sm_scale=None, *, config=None,
+    validate_indices=None)`` -> [Tq, Hq, D]; ``config`` and ``validate_indices`` as
+    blocksparse_flash_attn_varlen_fwd's (kernel only).
     A falsy sm_scale means 1 / sqrt(D), as in vLLM.
     """
 
@@ -191,13 +213,14 @@ class LocalStridedBlockSparseAttn(torch.nn.Module):
         (built when use_spda)), heads sliced to active_head_range unless homo_head."""
         return self._attn_pattern(dtype, device, self.use_spda)
 
-    def varlen_attn(self, q, k, v, cu_seqlens_k, cu_seqlens_q=None, sm_scale=None, *, config=None):
+    def varlen_attn(self, q, k, v, cu_seqlens_k, cu_seqlens_q=None, sm_scale=None, *, config=None,
+                    validate_indices=None):
         """The Triton kernel: q [Tq, Hq, D], k/v [Tk, Hkv, D]; see blocksparse_flash_attn_varlen_fwd."""
         sm_scale = sm_scale or 1.0 / math.sqrt(q.shape[-1])
         return blocksparse_flash_attn_varlen_fwd(
             q, k, v, cu_seqlens_k, cu_seqlens_q, sm_scale, (self.crow, self.col),
             block_size=self.block_size, q_block_size=self.q_block_size, max_seqlen=self.max_seqlen,
-            config=config)
+            config=config, validate_indices=validate_indices)
 
     @staticmethod
     def transpose_and_pad(x, cu_seqlens, maxlen, head_repeats=1):
@@ -241,7 +264,8 @@ class LocalStridedBlockSparseAttn(torch.nn.Module):
         out = torch.nn.functional.scaled_dot_product_attention(q2, k2, v2, attn_mask=mask, scale=sm_scale)
         return _unpad(out, cu_seqlens_k, q.shape[0])
 
-    def forward(self, q, k, v, cu_seqlens_k, cu_seqlens_q=None, sm_scale=None, *, config=None):
+    def forward(self, q, k, v, cu_seqlens_k, cu_seqlens_q=None, sm_scale=None, *, config=None,
+                validate_indices=None):
         if k.dim() != 3:
             raise ValueError(f"k: expected shape [Tk, Hkv, D], got {tuple(k.shape)}")
         if self.use_spda:
@@ -249,4 +273,4 @@ class LocalStridedBlockSparseAttn(torch.nn.Module):
                 raise ValueError("config: the module runs torch SDPA (use_spda=True), not a kernel")
             return self.spda(q, k, v, cu_seqlens_k, cu_seqlens_q=cu_seqlens_q, sm_scale=sm_scale)
         return self.varlen_attn(q, k, v, cu_seqlens_k, cu_seqlens_q=cu_seqlens_q, sm_scale=sm_scale,
-                                config=config)
+                                config=config, validate_indices=validate_indices)

@@ -6,11 +6,13 @@ from typing import Optional
 
 import torch
 
-from core_kernels._plan import decode_config, encode_config
+from core_kernels import _index_check
+from core_kernels._plan import as_int, decode_config, encode_config
 from core_kernels.lightning_attention import (check_slot_ids, plan_lightning_attention,
                                               plan_linear_decode, prefill_state_shape)
 
 from ._executor import planned, run_plan
+from ._index_validation import check_indices, index_validation
 from ._register import custom_op
 
 
@@ -72,8 +74,8 @@ def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: t
     and bf16 products in bf16. Works eagerly, under torch.compile and in CUDA
     graphs; CPU tensors run under Triton's interpreter on a machine without a GPU.
     """
-    return _prefill_op(q, k, v, ed, block_size, kv_history, output_final_state_only,
-                       encode_config(config))
+    return _prefill_op(q, k, v, ed, as_int("block_size", block_size), kv_history,
+                       output_final_state_only, encode_config(config))
 
 
 def _decode_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_caches: torch.Tensor,
@@ -99,7 +101,7 @@ _decode_op = custom_op("linear_decode_forward_triton", _decode_impl,
 def linear_decode_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                  kv_caches: torch.Tensor, slope_rate: torch.Tensor,
                                  slot_idx: torch.Tensor, BLOCK_SIZE: int = 32, *,
-                                 config=None) -> torch.Tensor:
+                                 config=None, validate_indices=None) -> torch.Tensor:
     """One decode step of lightning attention over a slot-indexed state cache.
 
     Args:
@@ -120,8 +122,17 @@ def linear_decode_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             layer passes 32 positionally) or keyword; the tiling is the planner's.
         config: optional ``core_kernels.lightning_attention.LightningDecodeConfig``
             overriding the planner's tiling.
+        validate_indices: True checks slot_idx before the launch, wherever it lives
+            (ids in [-1, num_slots), no non-negative id twice: duplicates race on
+            the GPU; one host sync; ValueError); False never; None (default)
+            follows TANDEM_VALIDATE_INDICES (docs/index_validation.md). Host
+            slot ids are range-checked either way.
     Returns:
         output [B, H * E] in q's dtype, o = q S_new.
     """
-    del BLOCK_SIZE
+    if index_validation(validate_indices, slot_idx) and isinstance(kv_caches, torch.Tensor) \
+            and kv_caches.dim() == 4:
+        check_indices(_index_check.check_linear_decode, dict(slot_idx=slot_idx),
+                      num_slots=kv_caches.shape[0])
+    as_int("BLOCK_SIZE", BLOCK_SIZE, 1)  # unused (vLLM's signature), but an int all the same
     return _decode_op(q, k, v, kv_caches, slope_rate, slot_idx, encode_config(config))

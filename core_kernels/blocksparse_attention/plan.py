@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .._plan import (FLOAT_DTYPES, ITEMSIZE, ArrayInfo, Buffer, Launch, Plan, Scalar, cdiv,
-                     check_config, check_dtype, check_inner_contiguous, check_ndim, config_class,
-                     memoize, next_pow2)
+from .._plan import (FLOAT_DTYPES, FP32_MAX, INT32_MAX, ITEMSIZE, ArrayInfo, Buffer, Launch, Plan,
+                     Scalar, as_float, as_int, cdiv, check_config, check_dtype,
+                     check_inner_contiguous, check_ndim, config_class, memoize, next_pow2)
 from .._target import Target
 from .kernels import (LOG2E, _bsattn_combine_kernel, _bsattn_decode_group_kernel,
                       _bsattn_decode_kernel, _bsattn_fwd_kernel)
@@ -210,23 +210,22 @@ def _validate(q, k, v, cu_seqlens_k, cu_seqlens_q, crow, col, sm_scale, block_si
     _validate_qkv(q, k, v)
     tq, hq, d = q.shape
     b, decode_only = _validate_batch(cu_seqlens_k, cu_seqlens_q, tq, k.shape[0])
+    block_size = as_int("block_size", block_size)
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"block_size: expected one of {BLOCK_SIZES}, got {block_size!r}")
-    if q_block_size is None:
-        q_block_size = block_size
-    if not isinstance(q_block_size, int) or q_block_size < block_size or q_block_size % block_size:
+    q_block_size = block_size if q_block_size is None else as_int("q_block_size", q_block_size,
+                                                                   block_size, INT32_MAX)
+    if q_block_size % block_size:
         raise ValueError(f"q_block_size: expected a positive multiple of block_size={block_size}, "
                          f"got {q_block_size!r}")
     layout_heads, nb = _validate_layout(crow, col, hq)
     covered = nb * block_size
-    if max_seqlen is None:
-        max_seqlen = covered
-    if not isinstance(max_seqlen, int) or max_seqlen < 1:
-        raise ValueError(f"max_seqlen: expected a positive int, got {max_seqlen!r}")
-    if max_seqlen > covered:
-        raise ValueError(f"max_seqlen: {max_seqlen} exceeds the {covered} tokens the layout covers "
-                         f"({nb} blocks of {block_size})")
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    max_seqlen = covered if max_seqlen is None else as_int(
+        "max_seqlen", max_seqlen, 1, covered, f"at most the {covered} tokens the layout covers "
+        f"({nb} blocks of {block_size})")
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else as_float("sm_scale", sm_scale)
+    if not abs(scale * LOG2E) <= FP32_MAX:  # the kernel's fp32 scale
+        raise ValueError(f"sm_scale: {scale} * log2(e) overflows float32 (the kernel's scale)")
     strides = (*q.strides[:2], *k.strides[:2], *v.strides[:2], hq * d, d,
                crow.strides[0] if layout_heads > 1 else 0, col.strides[0] if layout_heads > 1 else 0)
     layout = dict(zip(("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
@@ -263,11 +262,13 @@ def _validate_batch(cu_seqlens_k, cu_seqlens_q, tq, tk) -> tuple[int, bool]:
     """(B, decode-only) from the cumulative lengths' shapes."""
     check_ndim("cu_seqlens_k", cu_seqlens_k, 1, "[B + 1]")
     check_dtype("cu_seqlens_k", cu_seqlens_k, INDEX_DTYPES)
+    check_inner_contiguous("cu_seqlens_k", cu_seqlens_k)  # read with unit stride
     if cu_seqlens_k.shape[0] < 1:
         raise ValueError("cu_seqlens_k: expected shape [B + 1], got an empty array")
     b = cu_seqlens_k.shape[0] - 1
     if cu_seqlens_q is not None:
         check_dtype("cu_seqlens_q", cu_seqlens_q, INDEX_DTYPES)
+        check_inner_contiguous("cu_seqlens_q", cu_seqlens_q)
         if tuple(cu_seqlens_q.shape) != tuple(cu_seqlens_k.shape):
             raise ValueError(f"cu_seqlens_q: shape {tuple(cu_seqlens_q.shape)} does not match "
                              f"cu_seqlens_k's {tuple(cu_seqlens_k.shape)} (one entry per sequence + 1)")

@@ -91,6 +91,7 @@ def _program(sync_ptr, num_heads, num_rows, seq_len, seg_chunks, decay_ptr, stri
     i_b = (i_bh // num_heads).to(gl.int64)
     i_h = (i_bh % num_heads).to(gl.int64)
     s = gl.load(decay_ptr + i_h * stride_decay)
+    s = gl.where(s > 1e30, 1e30, s)  # s = +inf (lambda = 0) without NaN: see kernels.py's NOTE
     e0 = (r % N_E) * BE
     base_q = q_ptr + (i_b * (stride_qb * ALIGN) + i_h * (stride_qh * ALIGN))
     base_k = k_ptr + (i_b * (stride_kb * ALIGN) + i_h * (stride_kh * ALIGN))

@@ -31,6 +31,17 @@ import triton.language as tl
 
 from .._triton_utils import jit
 
+# NOTE: a decay rate s = +inf (lambda = exp(-s) = 0: each token's state forgets
+# everything before it) is clamped to 1e30 in the prefill kernels (here and in
+# gluon_kernels._program), which gives the same factors lambda^x = exp(-s * x)
+# (exactly 1 for x = 0, exactly 0 for x >= 1 in fp32) without the NaN of inf * 0
+# on the diagonal (x = i - j = 0) that made the whole output NaN. Any finite
+# s > ~104 already gives lambda = 0 in fp32, so the clamp changes no finite
+# rate's result; 1e30 keeps -s * log2(e) finite for the Gluon kernels' exp2 form
+# (a rate above 2.4e38 overflowed to -inf there, with the same NaN). One compare
+# and select per program; a NaN rate still propagates (NaN > 1e30 is false).
+# The decode kernel needs none: its one factor is exp(-s) (= 0 for s = +inf).
+
 
 # NOTE: tl.zeros, tl.sum, tl.cdiv, ... are @triton.jit helpers of triton.language,
 # which the interpreter (CPU path) cannot call from a kernel interpreted by
@@ -161,6 +172,42 @@ def _store_state_parts(ptr, b_s, e0, stride_d, head_k, head_v, BLOCK_D: tl.const
 
 
 @triton.jit
+def _chunk_step(q_ptr, k_ptr, v_ptr, o_ptr, base_q, base_k, base_v, base_o,
+                stride_qt, stride_kt, stride_vt, stride_ot, t0, n_valid, seq_len, b_s, s,
+                o_t, o_d, o_e, m_d, m_e, q_decay, causal_decay,
+                DOT_BF16: tl.constexpr, SPLIT_STATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                EVEN_D: tl.constexpr, EVEN_E: tl.constexpr, OFFS_64: tl.constexpr):
+    """One chunk of BLOCK_T tokens t0 .. t0 + n_valid - 1 of a sequence: stores
+    their outputs o = (q k^T * decay) v + (q S) * q_decay and returns the state
+    after them. ``b_s`` [D, E] is the state before the chunk; ``q_decay`` [T]
+    and ``causal_decay`` [T, T] are the chunk-independent decay factors. Shared
+    by the prefill and the varlen prefill kernels."""
+    rows = t0 + o_t
+    m_t = o_t < n_valid
+    rows_in = tl.minimum(rows, seq_len - 1)  # valid memory; their outputs are not stored
+    b_q = _load_tile(q_ptr, base_q, rows_in, stride_qt, o_d, m_d, EVEN_D, OFFS_64)   # [T, D]
+    b_k = _load_tile(k_ptr, base_k, rows_in, stride_kt, o_d, m_d, EVEN_D, OFFS_64)   # [T, D]
+    b_v = _load_tile(v_ptr, base_v, rows_in, stride_vt, o_e, m_e, EVEN_E, OFFS_64)   # [T, E]
+    k_decay = tl.where(m_t, tl.exp(-s * (n_valid - 1 - o_t).to(tl.float32)), 0.0)
+    # NOTE: the decays scale dot *results* and v ([T, E]), never the q/k tiles
+    # ([T, D]): q and k then go from shared memory straight into the MMAs, and
+    # no [T, D] fp32 copy has to live in registers (the first version, which
+    # scaled q and k, spilled ~3 KB of stack per thread at T=64, D=128).
+    b_q = _operand(b_q, DOT_BF16)
+    b_k = _operand(b_k, DOT_BF16)
+    b_qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)          # [T, T]
+    b_a = _operand(b_qk * causal_decay, DOT_BF16)
+    b_o = tl.dot(b_a, _operand(b_v, DOT_BF16), input_precision=DOT_PRECISION)  # [T, E]
+    b_o += tl.dot(b_q, _operand(b_s, DOT_BF16), input_precision=DOT_PRECISION) * q_decay[:, None]
+    b_s = b_s * tl.exp(-s * n_valid.to(tl.float32))
+    b_s = _state_product(b_k, b_v.to(tl.float32) * k_decay[:, None], b_s, DOT_BF16,  # [D, E]
+                         SPLIT_STATE, DOT_PRECISION)
+    p_o = (o_ptr + base_o) + _row_offsets(rows, stride_ot, OFFS_64)[:, None] + o_e[None, :]
+    tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_t[:, None] & m_e[None, :])
+    return b_s
+
+
+@triton.jit
 def _segment_contribution(k_ptr, v_ptr, base_k, base_v, stride_kt, stride_vt, s, seq_len, seg_t0, seg_t1,
                           o_d, o_e, m_d, m_e, P1_T: tl.constexpr, P1_STAGES: tl.constexpr,
                           BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -250,6 +297,7 @@ def _lightning_prefill_kernel(
     i_h = (i_bh % num_heads).to(tl.int64)
     num_segments = (num_blocks + blocks_per_seg - 1) // blocks_per_seg  # not tl.cdiv: see the NOTE above
     s = tl.load(decay_ptr + i_h * stride_decay).to(tl.float32)
+    s = tl.where(s > 1e30, 1e30, s)  # s = +inf (lambda = 0) without NaN: see the NOTE at the top
 
     o_t = tl.arange(0, BLOCK_T)
     o_d = tl.arange(0, BLOCK_D)
@@ -319,28 +367,10 @@ def _lightning_prefill_kernel(
             if first:
                 _store_state_parts(p_kv + blk.to(tl.int64) * stride_kvi, b_s, i_e * BLOCK_E, stride_kvd,
                                    head_k, head_v, BLOCK_D, BLOCK_E, EVEN_D, EVEN_E)
-        rows = t0 + o_t
-        m_t = o_t < n_valid
-        rows_in = tl.minimum(rows, seq_len - 1)
-        b_q = _load_tile(q_ptr, base_q, rows_in, stride_qt, o_d, m_d, EVEN_D, OFFS_64)   # [T, D]
-        b_k = _load_tile(k_ptr, base_k, rows_in, stride_kt, o_d, m_d, EVEN_D, OFFS_64)   # [T, D]
-        b_v = _load_tile(v_ptr, base_v, rows_in, stride_vt, o_e, m_e, EVEN_E, OFFS_64)   # [T, E]
-        k_decay = tl.where(m_t, tl.exp(-s * (n_valid - 1 - o_t).to(tl.float32)), 0.0)
-        # NOTE: the decays scale dot *results* and v ([T, E]), never the q/k tiles
-        # ([T, D]): q and k then go from shared memory straight into the MMAs, and
-        # no [T, D] fp32 copy has to live in registers (the first version, which
-        # scaled q and k, spilled ~3 KB of stack per thread at T=64, D=128).
-        b_q = _operand(b_q, DOT_BF16)
-        b_k = _operand(b_k, DOT_BF16)
-        b_qk = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION)          # [T, T]
-        b_a = _operand(b_qk * causal_decay, DOT_BF16)
-        b_o = tl.dot(b_a, _operand(b_v, DOT_BF16), input_precision=DOT_PRECISION)  # [T, E]
-        b_o += tl.dot(b_q, _operand(b_s, DOT_BF16), input_precision=DOT_PRECISION) * q_decay[:, None]
-        b_s = b_s * tl.exp(-s * n_valid.to(tl.float32))
-        b_s = _state_product(b_k, b_v.to(tl.float32) * k_decay[:, None], b_s, DOT_BF16,  # [D, E]
-                             SPLIT_STATE, DOT_PRECISION)
-        p_o = (o_ptr + base_o) + _row_offsets(rows, stride_ot, OFFS_64)[:, None] + o_e[None, :]
-        tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_t[:, None] & m_e[None, :])
+        b_s = _chunk_step(q_ptr, k_ptr, v_ptr, o_ptr, base_q, base_k, base_v, base_o,
+                          stride_qt, stride_kt, stride_vt, stride_ot, t0, n_valid, seq_len, b_s, s,
+                          o_t, o_d, o_e, m_d, m_e, q_decay, causal_decay,
+                          DOT_BF16, SPLIT_STATE, DOT_PRECISION, EVEN_D, EVEN_E, OFFS_64)
 
     if i_p == num_segments - 1:  # the last segment holds the final state
         if STORE_BLOCK_STATES:

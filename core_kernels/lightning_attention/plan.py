@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from .._plan import (FLOAT_DTYPES, INT_DTYPES, ArrayInfo, Buffer, Launch, Plan, Scalar, cdiv,
+from .._plan import (FLOAT_DTYPES, INT32_MAX, INT_DTYPES, ArrayInfo, Buffer, Launch, Plan, Scalar, as_int, cdiv,
                      check_config, check_dtype, check_inner_contiguous, check_ndim, check_shape,
                      config_class, memoize, next_pow2, pow2_divisor, row_major_strides)
 from .._target import Target
@@ -256,8 +256,7 @@ def _validate_prefill(q, k, v, ed, kv_history, block_size, final_only) -> _Prefi
         check_inner_contiguous("kv_history", kv_history)
     for name, info in (("q", q), ("k", k), ("v", v)):
         check_inner_contiguous(name, info)
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-        raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
+    block_size = as_int("block_size", block_size, 1, INT32_MAX)  # the kernels hold it in int32
     if n < 1:
         raise ValueError(f"q: the sequence length N must be >= 1, got shape {tuple(q.shape)}")
     # both prefill kernels skip 64-bit address math where the token-row offsets
@@ -606,6 +605,7 @@ def _validate_decode(q, k, v, kv_caches, slope_rate, slot_idx) -> _Decode:
     slope_rate = _check_decay("slope_rate", slope_rate, h)
     check_shape("slot_idx", slot_idx, (b,), "[B]")
     check_dtype("slot_idx", slot_idx, INT_DTYPES)
+    check_inner_contiguous("slot_idx", slot_idx)  # read with unit stride
     return _Decode(q, k, v, kv_caches, slope_rate, b, h, d, e)
 
 
@@ -643,8 +643,8 @@ def _decode_launch(p: _Decode, c: LightningDecodeConfig) -> Launch:
 def check_slot_ids(slot_idx: np.ndarray, num_slots: int) -> None:
     """Host-side check of slot ids already on the host (no device sync):
     every id must be -1 (padding) or in [0, num_slots). On the device an
-    out-of-range id yields a NaN output row and touches no cache slot."""
-    ids = np.asarray(slot_idx)
-    bad = ids[(ids < -1) | (ids >= num_slots)]
-    if bad.size:
-        raise ValueError(f"slot_idx: ids must be -1 or in [0, {num_slots}), got {bad[:4].tolist()}")
+    out-of-range id yields a NaN output row and touches no cache slot. Part of
+    the index checks (core_kernels._index_check, where validation also refuses
+    duplicate ids)."""
+    from .._index_check import check_slot_range
+    check_slot_range(slot_idx, num_slots)

@@ -1,4 +1,6 @@
-from .plan import MergeConfig, plan_merge_attn_states
-from .reference import merge_attn_states_reference
+from .plan import MergeConfig, check_prefill_tokens_with_context, plan_merge_attn_states
+from .mask_plan import plan_mask_empty_context_lse
+from .reference import mask_empty_context_lse_reference, merge_attn_states_reference
 
-__all__ = ["MergeConfig", "plan_merge_attn_states", "merge_attn_states_reference"]
+__all__ = ["MergeConfig", "check_prefill_tokens_with_context", "plan_merge_attn_states", "merge_attn_states_reference",
+           "plan_mask_empty_context_lse", "mask_empty_context_lse_reference"]

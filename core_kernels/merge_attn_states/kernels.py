@@ -94,3 +94,44 @@ def _merge_attn_states_kernel(
         lse = tl.where(both_empty, float("-inf"), lse)
         lse = tl.where(m_ctx, lse, s_raw)  # no context: copied as is
         tl.store(out_lse_ptr + o_h * stride_olse_h + o_t * stride_olse_t, lse, mask=m_r)
+
+
+@jit
+def _mask_empty_context_lse_kernel(
+    # input pointers
+    query_start_ptr, context_start_ptr, lse_in_ptr,
+    # runtime scalars
+    num_tokens, num_heads, num_reqs, search_steps, stride_lse_h, stride_lse_t,
+    # output pointers
+    lse_ptr,
+    # constexprs
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """lse[h, t] = -inf for every token t of a request whose context chunk is
+    empty (context_start[r] == context_start[r + 1]); every other entry is left
+    as it is (lse_in_ptr is lse itself: read by no one, it carries the aliasing).
+    Program i takes tokens [i * BLOCK_T, (i + 1) * BLOCK_T) and all heads; each
+    token's request is the last r with query_start[r] <= t (binary search, so
+    empty requests own no token); tokens outside [query_start[0],
+    query_start[num_reqs]) belong to no request and are untouched."""
+    o_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)        # [BLOCK_T] token ids
+    lo = tl.full([BLOCK_T], 0, tl.int32)
+    hi = tl.full([BLOCK_T], 0, tl.int32) + (num_reqs - 1)
+    for _ in range(search_steps):                                   # ceil(log2(num_reqs))
+        active = lo < hi
+        mid = (lo + hi + 1) // 2
+        start = tl.load(query_start_ptr + mid, mask=active, other=0)
+        take = active & (start <= o_t)
+        lo = tl.where(take, mid, lo)
+        hi = tl.where(active & ~take, mid - 1, hi)
+    first = tl.load(query_start_ptr)
+    last = tl.load(query_start_ptr + num_reqs)
+    ctx0 = tl.load(context_start_ptr + lo)
+    ctx1 = tl.load(context_start_ptr + lo + 1)
+    empty = (o_t >= first) & (o_t < last) & (o_t < num_tokens) & (ctx0 == ctx1)   # [BLOCK_T]
+    o_tl = o_t.to(tl.int64) * stride_lse_t
+    for h0 in range(0, num_heads, BLOCK_H):
+        o_h = h0 + tl.arange(0, BLOCK_H)
+        p = lse_ptr + o_h.to(tl.int64)[None, :] * stride_lse_h + o_tl[:, None]   # [BLOCK_T, BLOCK_H]
+        tl.store(p, tl.full([BLOCK_T, BLOCK_H], float("-inf"), tl.float32),
+                 mask=empty[:, None] & (o_h < num_heads)[None, :])

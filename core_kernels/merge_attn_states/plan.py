@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
-from .._plan import (FLOAT_DTYPES, FP8_MAX, ITEMSIZE, ArrayInfo, Buffer, Launch, Plan, Scalar,
-                     cdiv, check_config, check_dtype, check_inner_contiguous, check_ndim,
-                     check_shape, config_class, memoize, next_pow2)
+from .._plan import (FLOAT_DTYPES, FP8_MAX, INT_DTYPES, ITEMSIZE, ArrayInfo, Buffer, Launch, Plan,
+                     Scalar, as_int, cdiv, check_config, check_dtype, check_inner_contiguous,
+                     check_ndim, check_scalar_array, check_shape, config_class, memoize, next_pow2)
 from .._target import Target
 from .._triton_utils import FP8_ROUNDING
 from .kernels import _merge_attn_states_kernel
@@ -46,12 +45,18 @@ class _Problem:
     results: tuple
 
 
+def check_prefill_tokens_with_context(value, n: int) -> int:
+    """A host value of prefill_tokens_with_context (Python/numpy int, 0-d numpy
+    array) for N tokens: an int in [0, N] (docs/scalar_policy.md)."""
+    return as_int("prefill_tokens_with_context", value, 0, n, f"a token count, at most N = {n}")
+
+
 @memoize
 def plan_merge_attn_states(
     target: Target, prefix_output: ArrayInfo, prefix_lse: ArrayInfo,
     suffix_output: ArrayInfo, suffix_lse: ArrayInfo,
     output: ArrayInfo | None = None, output_lse: ArrayInfo | None = None,
-    output_scale: ArrayInfo | None = None,
+    output_scale: ArrayInfo | None = None, prefill_tokens_with_context: ArrayInfo | None = None,
     *, want_output_lse: bool = True, num_ctx: str = "none", output_dtype: str | None = None,
     config: MergeConfig | None = None,
 ) -> Plan:
@@ -61,13 +66,21 @@ def plan_merge_attn_states(
     the torch API) or None to have the plan allocate them (the JAX API).
     ``num_ctx``: how prefill_tokens_with_context arrives: "none" (= N),
     "scalar" (runtime argument ``prefill_tokens_with_context``, an int) or
-    "array" (a 1-element int device array named ``prefill_tokens_with_context``).
+    "array" (a 1-element int device array named ``prefill_tokens_with_context``,
+    whose ArrayInfo may be passed to have its shape and dtype checked; its value is
+    device data: values outside [0, N] act as the nearest bound, see
+    docs/scalar_policy.md). A host value is checked with
+    :func:`check_prefill_tokens_with_context` by the adapters.
     ``output_scale``: the ArrayInfo of a 1-element fp32 array (the output is fp8), or None.
     ``config`` overrides the tiling chosen from CONFIGS.
     """
     check_config(config, (MergeConfig,))
     problem = _validate(prefix_output, prefix_lse, suffix_output, suffix_lse, output, output_lse,
                         want_output_lse, num_ctx, output_scale, output_dtype)
+    if prefill_tokens_with_context is not None:
+        if num_ctx != "array":
+            raise ValueError("prefill_tokens_with_context: an array is passed with num_ctx='array'")
+        check_scalar_array("prefill_tokens_with_context", prefill_tokens_with_context, INT_DTYPES)
     if problem.n == 0 or problem.h == 0:
         return Plan(problem.buffers, (), problem.results)
     config = config or CONFIGS[ITEMSIZE[problem.in_dtype]]
@@ -79,9 +92,8 @@ def plan_merge_attn_states(
 def _validate(prefix_output, prefix_lse, suffix_output, suffix_lse, output, output_lse,
               want_output_lse, num_ctx, output_scale, output_dtype) -> _Problem:
     has_output_scale = output_scale is not None
-    if has_output_scale and (math.prod(output_scale.shape) != 1 or output_scale.dtype != "float32"):
-        raise ValueError("output_scale: expected a 1-element float32 array, got shape "
-                         f"{tuple(output_scale.shape)} dtype {output_scale.dtype}")
+    if has_output_scale:
+        check_scalar_array("output_scale", output_scale, ("float32",))
     check_ndim("prefix_output", prefix_output, 3, "[N, H, D]")
     check_dtype("prefix_output", prefix_output, FLOAT_DTYPES)
     n, h, d = prefix_output.shape

@@ -41,3 +41,15 @@ def merge_attn_states_reference(prefix_output, prefix_lse, suffix_output, suffix
         if output_scale is not None:
             out = np.clip(out / float(output_scale), -fp8_max, fp8_max)
     return out, out_lse.T.copy()
+
+
+def mask_empty_context_lse_reference(lse, query_start_loc, context_start_loc):
+    """The LSE [H, T] (float64 copy) with -inf at every token of a request whose
+    context chunk is empty; tokens of no request keep their values."""
+    out = np.array(lse, dtype=np.float64, copy=True)
+    qs = np.asarray(query_start_loc).astype(np.int64)
+    cs = np.asarray(context_start_loc).astype(np.int64)
+    for r in range(len(qs) - 1):
+        if cs[r] == cs[r + 1]:
+            out[:, qs[r]:min(qs[r + 1], out.shape[1])] = -np.inf
+    return out

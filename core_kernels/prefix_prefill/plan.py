@@ -6,10 +6,10 @@ import math
 
 import numpy as np
 
-from .._plan import (FLOAT_DTYPES, FP8_DTYPES, FP8_MAX, INT32_MAX, INT_DTYPES, ITEMSIZE,
-                     ArrayInfo, Buffer, Launch, Plan, Scalar, as_float, as_int, cdiv, check_config,
-                     check_dtype, check_ndim, check_scalar_array, check_shape, config_class, memoize,
-                     next_pow2)
+from .._plan import (FLOAT_DTYPES, FP8_DTYPES, FP8_MAX, FP32_MAX, INT32_MAX, INT_DTYPES,
+                     ITEMSIZE, ArrayInfo, Buffer, Launch, Plan, Scalar, as_float, as_int, cdiv,
+                     check_config, check_dtype, check_inner_contiguous, check_ndim, check_scalar_array, check_shape,
+                     config_class, memoize, next_pow2)
 from .._target import Target
 from .._triton_utils import FP8_ROUNDING
 from .kernels import _prefix_prefill_gather_kernel, _prefix_prefill_kernel
@@ -228,6 +228,8 @@ def _validate(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, output, 
     check_shape("b_seq_len", b_seq_len, (bsz,), "[B]")
     for name, info in (("b_loc", b_loc), ("b_start_loc", b_start_loc), ("b_seq_len", b_seq_len)):
         check_dtype(name, info, INT_DTYPES)
+    for name, info in (("b_start_loc", b_start_loc), ("b_seq_len", b_seq_len)):
+        check_inner_contiguous(name, info)  # read with unit stride (b_loc's strides are passed)
     for name, info in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if info is not None:
             check_shape(name, info, (hq,), "[Hq]")
@@ -235,7 +237,7 @@ def _validate(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, output, 
     # no sequence has more new tokens than T: a larger bound is T (it only sets the grid)
     max_input_len = min(max_input_len, t)
     scale = 1.0 / math.sqrt(d) if sm_scale is None else as_float("sm_scale", sm_scale)
-    if not np.isfinite(np.float32(scale * LOG2E)):
+    if not abs(scale * LOG2E) <= FP32_MAX:  # the kernel's fp32 scale
         raise ValueError(f"sm_scale: {scale} * log2(e) overflows float32 (the kernel's scale)")
     out_fp8, output, out_in, buffers = _check_output(output, fp8_out_scale, output_dtype, q, (t, hq, d))
 

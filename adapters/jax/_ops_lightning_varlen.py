@@ -1,0 +1,71 @@
+"""Lightning attention over packed variable-length sequences for JAX (one launch, jit-compatible)."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from core_kernels.lightning_attention import check_varlen_host_data, plan_lightning_attention_varlen
+
+from core_kernels import _index_check
+
+from ._executor import info, run_plan, target
+from ._index_validation import check_indices, index_validation
+
+
+def _host(x) -> bool:
+    """Whether ``x`` is host data (checking it costs no device sync)."""
+    return isinstance(x, np.ndarray) or (
+        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+        and all(d.platform == "cpu" for d in x.devices()))
+
+
+def lightning_attention_varlen(q, k, v, ed, cu_seqlens, *, kv_cache=None, slot_idx=None,
+                               block_size=256, config=None, validate_indices=None):
+    """Lightning attention (prefill) of B sequences packed along the token axis, one launch.
+
+    For each sequence b (tokens cu_seqlens[b] .. cu_seqlens[b + 1] - 1) and head h:
+    S_t = exp(-ed[h]) * S_{t-1} + k_t^T v_t, o_t = q_t S_t, starting from
+    kv_cache[slot_idx[b]] (or 0), exactly as ``lightning_attention`` on that sequence.
+
+    Args:
+        q, k: [T, H, D]; v: [T, H, E]; float32/float16/bfloat16 (one dtype); D, E <= 256.
+        ed: [H], [H, 1, 1] or [1, H, 1, 1] float32 decay rates.
+        cu_seqlens: [B + 1] int32/int64 (may be traced): cu_seqlens[0] = 0,
+            non-decreasing, cu_seqlens[B] = T; sequences may be empty. Checked
+            (ValueError) when it is host data; traced or on the GPU an invalid one is
+            undefined behaviour.
+        kv_cache: optional [num_slots, H, D, E] float32 state cache, with slot_idx.
+        slot_idx: [B] int32/int64 slot per sequence; -1 starts from zero and writes
+            nothing. Host data: ids outside [-1, num_slots) and duplicate non-negative
+            ids raise ValueError; traced or on the GPU duplicates are undefined and an
+            out-of-range id gives that sequence NaN outputs and touches no slot.
+        block_size: positive int (static), accepted for symmetry with
+            ``lightning_attention``; only final states are returned.
+        config: optional ``LightningVarlenConfig`` (static).
+        validate_indices: True checks cu_seqlens and slot_idx before the launch,
+            wherever they live (one host transfer; ValueError; traced: ValueError);
+            False never; None follows TANDEM_VALIDATE_INDICES (docs/index_validation.md).
+    Returns:
+        (output [T, H, E] in q's dtype, new kv_cache or, without a cache, the final
+        states [B, H, D, E] float32). The new cache is aliased to the kernel's output:
+        under jax.jit with kv_cache donated it is updated in place without a copy;
+        slots not named keep their bits.
+    """
+    arrays = dict(q=q, k=k, v=v, ed=ed, cu_seqlens=cu_seqlens)
+    if kv_cache is not None:
+        arrays["kv_cache"] = kv_cache
+    if slot_idx is not None:
+        arrays["slot_idx"] = slot_idx
+    tgt = target(arrays)
+    plan = plan_lightning_attention_varlen(
+        tgt, info(q), info(k), info(v), info(ed), info(cu_seqlens),
+        None if kv_cache is None else info(kv_cache), None if slot_idx is None else info(slot_idx),
+        block_size=block_size, config=config)
+    check_varlen_host_data(np.asarray(cu_seqlens) if _host(cu_seqlens) else None, q.shape[0],
+                           np.asarray(slot_idx) if slot_idx is not None and _host(slot_idx) else None,
+                           0 if kv_cache is None else kv_cache.shape[0])
+    if index_validation(validate_indices, cu_seqlens, slot_idx):
+        check_indices(_index_check.check_lightning_varlen,
+                      dict(cu_seqlens=cu_seqlens, slot_idx=slot_idx), num_tokens=q.shape[0],
+                      num_slots=0 if kv_cache is None else kv_cache.shape[0])
+    return run_plan(plan, arrays, tgt)

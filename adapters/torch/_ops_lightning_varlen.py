@@ -1,0 +1,105 @@
+"""Lightning attention over packed variable-length sequences for PyTorch (one launch)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from core_kernels._plan import decode_config, encode_config
+from core_kernels.lightning_attention import check_varlen_host_data, plan_lightning_attention_varlen
+
+from core_kernels import _index_check
+
+from ._executor import planned, run_plan
+from ._index_validation import check_indices, index_validation
+from ._register import custom_op
+
+
+def _run(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config):
+    tensors = dict(q=q, k=k, v=v, ed=ed, cu_seqlens=cu_seqlens, kv_cache=kv_cache, slot_idx=slot_idx)
+    plan, device = planned(plan_lightning_attention_varlen, tensors, block_size=block_size,
+                           config=decode_config(config))
+    if device.type == "cpu":  # host data: checking costs no device sync
+        check_varlen_host_data(cu_seqlens.numpy(), q.shape[0],
+                               None if slot_idx is None else slot_idx.numpy(),
+                               0 if kv_cache is None else kv_cache.shape[0])
+    return run_plan(plan, {n: t for n, t in tensors.items() if t is not None}, device=device)
+
+
+def _states_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.Tensor,
+                 cu_seqlens: torch.Tensor, block_size: int,
+                 config: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    env = _run(q, k, v, ed, cu_seqlens, None, None, block_size, config)
+    return env["output"], env["states"]
+
+
+def _states_fake(q, k, v, ed, cu_seqlens, block_size, config):
+    t, h, d = q.shape
+    e = v.shape[-1]
+    return q.new_empty((t, h, e)), q.new_empty((cu_seqlens.shape[0] - 1, h, d, e), dtype=torch.float32)
+
+
+def _cache_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.Tensor,
+                cu_seqlens: torch.Tensor, kv_cache: torch.Tensor, slot_idx: torch.Tensor,
+                block_size: int, config: Optional[str]) -> torch.Tensor:
+    return _run(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config)["output"]
+
+
+def _cache_fake(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config):
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
+
+
+_states_op = custom_op("lightning_attention_varlen", _states_impl, fake=_states_fake)
+_cache_op = custom_op("lightning_attention_varlen_cache", _cache_impl, mutates_args=("kv_cache",),
+                      fake=_cache_fake)
+
+
+def lightning_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.Tensor,
+                               cu_seqlens: torch.Tensor, *, kv_cache: Optional[torch.Tensor] = None,
+                               slot_idx: Optional[torch.Tensor] = None, block_size: int = 256,
+                               config=None, validate_indices=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lightning attention (prefill) of B sequences packed along the token axis, one launch.
+
+    For each sequence b (tokens cu_seqlens[b] .. cu_seqlens[b + 1] - 1) and head h:
+    S_t = exp(-ed[h]) * S_{t-1} + k_t^T v_t, o_t = q_t S_t, starting from
+    kv_cache[slot_idx[b]] (or 0), exactly as ``lightning_attention`` on that sequence.
+
+    Args:
+        q, k: [T, H, D]; v: [T, H, E]; float32/float16/bfloat16 (one dtype), innermost
+            dim contiguous, other strides free. D, E <= 256, any size.
+        ed: [H], [H, 1, 1] or [1, H, 1, 1] float32 decay rates s_h >= 0.
+        cu_seqlens: [B + 1] int32/int64 on q's device: cu_seqlens[0] = 0, non-decreasing,
+            cu_seqlens[B] = T; sequences may be empty. Checked (ValueError) when on the
+            host; on the GPU (no sync) an invalid one is undefined behaviour.
+        kv_cache: optional [num_slots, H, D, E] float32 state cache (innermost dim
+            contiguous). Updated in place: sequence b starts from kv_cache[slot_idx[b]]
+            and its final state is written there; slots not named are untouched, bit
+            for bit. Needs slot_idx.
+        slot_idx: [B] int32/int64 slot per sequence; -1 starts from zero and writes
+            nothing. On the host, ids outside [-1, num_slots) and duplicate non-negative
+            ids raise ValueError; on the GPU (no sync) duplicates are undefined and an
+            out-of-range id gives that sequence NaN outputs and touches no slot.
+        block_size: positive int, accepted for symmetry with ``lightning_attention``;
+            only final states are returned, so it does not change the result.
+        config: optional ``core_kernels.lightning_attention.LightningVarlenConfig``
+            overriding the planner's tiling and segmentation.
+        validate_indices: True checks cu_seqlens and slot_idx before the launch,
+            wherever they live (one host sync; ValueError); False never; None
+            (default) follows TANDEM_VALIDATE_INDICES (docs/index_validation.md).
+    Returns:
+        (output [T, H, E] in q's dtype, kv_cache (the argument, updated) or, without
+        a cache, the final states [B, H, D, E] float32).
+    One kernel launch whatever the lengths (no host sync): works eagerly, under
+    torch.compile(fullgraph=True) and in CUDA graphs.
+    """
+    if index_validation(validate_indices, cu_seqlens, slot_idx) and isinstance(q, torch.Tensor) \
+            and q.dim() == 3:
+        check_indices(_index_check.check_lightning_varlen,
+                      dict(cu_seqlens=cu_seqlens, slot_idx=slot_idx), num_tokens=q.shape[0],
+                      num_slots=kv_cache.shape[0] if isinstance(kv_cache, torch.Tensor) else 0)
+    if kv_cache is None and slot_idx is None:
+        return _states_op(q, k, v, ed, cu_seqlens, block_size, encode_config(config))
+    if kv_cache is None or slot_idx is None:  # the planner's error, before any launch
+        _run(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, encode_config(config))
+    out = _cache_op(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, encode_config(config))
+    return out, kv_cache

@@ -1,0 +1,274 @@
+"""Validation and launch plan for lightning attention over packed sequences (framework-free).
+
+``plan_lightning_attention_varlen``: B sequences packed along one token axis
+(cu_seqlens, device data), each starting from a slot of a state cache (or from
+zero) and ending in it (or in a returned [B, H, D, E]), in one launch of
+varlen_kernels._lightning_varlen_kernel whatever the lengths: validate ->
+problem -> config (:class:`LightningVarlenConfig`) -> launch.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .._plan import (FLOAT_DTYPES, INT_DTYPES, ArrayInfo, Buffer, Launch, Plan, Scalar, cdiv,
+                     check_config, check_dtype, check_inner_contiguous, check_ndim, check_shape,
+                     config_class, memoize, next_pow2, row_major_strides)
+from .._target import Target
+from .plan import (BLOCK_E, BLOCK_T, DEFAULT_DOT_PRECISION, DOT_PRECISIONS, MIN_SEGMENT_CHUNKS,
+                   NUM_STAGES, NUM_WARPS, SEGMENT_WAVES, _aligned, _check_decay, _check_head,
+                   _full_wave)
+from .varlen_kernels import _lightning_varlen_kernel
+
+
+@config_class
+class LightningVarlenConfig:
+    """The varlen kernel (varlen_kernels._lightning_varlen_kernel). None fields are
+    the planner's choice. block_t: tokens per chunk; block_e: E-tile (state columns
+    per program); segment_len: tokens per work item (the packed token axis is cut
+    at its multiples; 0: never cut a sequence, one program per sequence, head and
+    E-tile); dot_precision: the products' input precision on the GPU (as
+    LightningTritonConfig's)."""
+    block_t: int | None = None
+    block_e: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    segment_len: int | None = None
+    dot_precision: str = DEFAULT_DOT_PRECISION
+
+    def __post_init__(self):
+        if self.dot_precision not in DOT_PRECISIONS:
+            raise ValueError(f"dot_precision: expected one of {DOT_PRECISIONS}, got {self.dot_precision!r}")
+        if self.segment_len is not None and (isinstance(self.segment_len, bool) or self.segment_len < 0):
+            raise ValueError(f"segment_len: expected an int >= 0 (0: no split), got {self.segment_len!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Varlen:
+    q: ArrayInfo
+    k: ArrayInfo
+    v: ArrayInfo
+    ed: ArrayInfo  # as [H]
+    kv_cache: ArrayInfo | None
+    t: int
+    h: int
+    d: int
+    e: int
+    b: int
+    dtype: str
+    offs_32: bool  # token-row offsets within one sequence's head slice fit in int32
+
+    @property
+    def block_d(self) -> int:
+        return max(16, next_pow2(self.d))
+
+    @property
+    def has_cache(self) -> bool:
+        return self.kv_cache is not None
+
+    @property
+    def results(self) -> tuple:
+        return ("output", "kv_cache" if self.has_cache else "states")
+
+    def buffers(self, items: int = 0, per_item: int = 0, segmented: bool = False) -> dict:
+        """output, the final states (without a cache) and, when segmented, the
+        published item end states [items, H, D, E] and the ticket counter + one
+        ready flag per program (zeroed)."""
+        out = {"output": Buffer((self.t, self.h, self.e), self.dtype)}
+        if not self.has_cache:  # zeroed only for a plan without launches (T = 0)
+            out["states"] = Buffer((self.b, self.h, self.d, self.e), "float32", zero_init=items == 0)
+        if items:
+            out["seg_state"] = Buffer((items, self.h, self.d, self.e) if segmented else (1,), "float32")
+            out["sync"] = Buffer((1 + items * per_item,) if segmented else (1,), "int32", zero_init=segmented)
+        return out
+
+
+@memoize
+def plan_lightning_attention_varlen(
+    target: Target, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, ed: ArrayInfo, cu_seqlens: ArrayInfo,
+    kv_cache: ArrayInfo | None = None, slot_idx: ArrayInfo | None = None, *, block_size: int = 256,
+    config: LightningVarlenConfig | None = None,
+) -> Plan:
+    """Plan lightning attention over B sequences packed along the token axis.
+
+    Arrays: q, k [T, H, D], v [T, H, E] (one float dtype, innermost dim
+    contiguous, other strides free), ed [H], [H, 1, 1] or [1, H, 1, 1] fp32,
+    cu_seqlens [B + 1] int32/int64 (device data: cu_seqlens[0] = 0,
+    non-decreasing, cu_seqlens[B] = T; checked by check_varlen_host_data where
+    it is host data), kv_cache [num_slots, H, D, E] fp32 (innermost dim
+    contiguous; read and written in place: an argument and a result) with
+    slot_idx [B] int32/int64, or both None.
+    Results: "output" [T, H, E] (q's dtype) and "kv_cache" (updated at the named
+    slots, every other element untouched) or "states" [B, H, D, E] fp32 (each
+    sequence's final state). block_size is validated and otherwise unused: only
+    final states are returned. ``config`` overrides the tiling and segmentation.
+    """
+    check_config(config, (LightningVarlenConfig,))
+    p = _validate(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size)
+    if p.b == 0 or p.h == 0 or p.t == 0:  # nothing to compute: states are zero or the cache's
+        return Plan(p.buffers(), (), p.results)
+    c = _config(target, p, config)
+    return _launch(target, p, c)
+
+
+def _validate(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size) -> _Varlen:
+    check_ndim("q", q, 3, "[T, H, D]")
+    check_dtype("q", q, FLOAT_DTYPES)
+    t, h, d = q.shape
+    check_shape("k", k, (t, h, d), "same as q")
+    check_ndim("v", v, 3, "[T, H, E]")
+    e = v.shape[2]
+    check_shape("v", v, (t, h, e), "[T, H, E] with q's T, H")
+    for name, info in (("k", k), ("v", v)):
+        if info.dtype != q.dtype:
+            raise TypeError(f"{name}: dtype {info.dtype} differs from q's {q.dtype}")
+    for name, info in (("q", q), ("k", k), ("v", v)):
+        check_inner_contiguous(name, info)
+    _check_head("q", d)
+    _check_head("v", e)
+    ed = _check_decay("ed", ed, h)
+    check_ndim("cu_seqlens", cu_seqlens, 1, "[B + 1]")
+    check_dtype("cu_seqlens", cu_seqlens, INT_DTYPES)
+    check_inner_contiguous("cu_seqlens", cu_seqlens)  # read with unit stride
+    if cu_seqlens.shape[0] < 1:
+        raise ValueError("cu_seqlens: expected shape [B + 1] (at least [0]), got an empty array")
+    b = cu_seqlens.shape[0] - 1
+    if b == 0 and t:
+        raise ValueError(f"cu_seqlens: shape (1,) holds no sequence, but q has T = {t} tokens")
+    if (kv_cache is None) != (slot_idx is None):
+        missing, given = ("slot_idx", "kv_cache") if slot_idx is None else ("kv_cache", "slot_idx")
+        raise ValueError(f"{missing}: required with {given} (pass both or neither)")
+    if kv_cache is not None:
+        check_ndim("kv_cache", kv_cache, 4, "[num_slots, H, D, E]")
+        check_shape("kv_cache", kv_cache, (kv_cache.shape[0], h, d, e), "[num_slots, H, D, E]")
+        check_dtype("kv_cache", kv_cache, ("float32",))
+        check_inner_contiguous("kv_cache", kv_cache)
+        check_ndim("slot_idx", slot_idx, 1, "[B]")
+        check_shape("slot_idx", slot_idx, (b,), "[B], one slot per sequence")
+        check_dtype("slot_idx", slot_idx, INT_DTYPES)
+        check_inner_contiguous("slot_idx", slot_idx)
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+        raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
+    if t >= 2 ** 31:
+        raise ValueError(f"q: T = {t} tokens; at most 2**31 - 1")
+    # token-row offsets within one sequence (at most T rows) fit in int32
+    offs_32 = max(max(t - 1, 0) * abs(x.strides[0]) + x.shape[2] for x in (q, k, v)) < 2 ** 31 \
+        and t * h * e < 2 ** 31
+    return _Varlen(q, k, v, ed, kv_cache, t, h, d, e, b, q.dtype, bool(offs_32))
+
+
+# NOTE (not measured yet; the GPU benchmark benchmarks/bench_lightning_varlen.py
+# sweeps segment_len): work items are sized like the prefill's chained-scan
+# segments (plan.py: SEGMENT_WAVES, MIN_SEGMENT_CHUNKS, _full_wave). With one
+# program per (sequence, head, E-tile) already SEGMENT_WAVES full waves, no
+# sequence is cut: a cut item re-reads its k and v (phase 1), and with that
+# many programs in flight the re-reads miss L2 (B=16, H=64 holds ~130 MB of k
+# and v between the two phases), so cutting costs up to half the k/v traffic
+# again. Below that, the packed axis is cut so that about SEGMENT_WAVES full
+# waves of programs run, in items of at least MIN_SEGMENT_CHUNKS chunks.
+def _segment_len(target: Target, p: _Varlen, per_item: int, block_t: int) -> int:
+    """Tokens per work item, 0 for no cut (see the NOTE above)."""
+    extra = cdiv(SEGMENT_WAVES * _full_wave(target), per_item) - p.b
+    if extra <= 0:
+        return 0
+    # at most T / extra tokens, whole chunks: at least `extra` cuts
+    return max(MIN_SEGMENT_CHUNKS, p.t // extra // block_t) * block_t
+
+
+def _config(target: Target, p: _Varlen, override) -> LightningVarlenConfig:
+    """The config from the prefill's tables (plan.py), ``override``'s fields first."""
+    o = override or LightningVarlenConfig()
+    block_e, small_d = o.block_e, p.block_d <= 128
+    if (block_e is None and p.dtype == "bfloat16" and p.d == p.block_d <= 128 and p.e % 64 == 0
+            and p.b * p.h * (p.e // 64) >= _full_wave(target)):
+        block_e = 64  # the prefill's rule (plan._triton_config): enough (b, h) pairs for E-tile 64
+    block_e = block_e or min(BLOCK_E[p.dtype] if small_d else 32, max(16, next_pow2(p.e)))
+    block_t = o.block_t or (BLOCK_T[p.dtype] if small_d else 32)
+    per_item = p.h * cdiv(p.e, block_e)
+    seg = o.segment_len if o.segment_len is not None else _segment_len(target, p, per_item, block_t)
+    return LightningVarlenConfig(block_t, block_e, o.num_warps or NUM_WARPS[p.dtype],
+                                 o.num_stages or NUM_STAGES[p.dtype], seg, o.dot_precision)
+
+
+def _launch(target: Target, p: _Varlen, c: LightningVarlenConfig) -> Plan:
+    n_e = cdiv(p.e, c.block_e)
+    per_item = p.h * n_e
+    # a cut only matters where some sequence can span a multiple of segment_len
+    segmented = 0 < c.segment_len < p.t
+    items = p.t // c.segment_len + p.b if segmented else p.b
+    state = p.kv_cache.strides[:3] if p.has_cache else row_major_strides((p.b, p.h, p.d, p.e))[:3]
+    pub = row_major_strides((items, p.h, p.d, p.e))[:3] if segmented else (0, 0, 0)
+    even_d, even_e = p.d == p.block_d, p.e % c.block_e == 0
+    # as the prefill (plan._triton_launch): bf16 operands only for whole tiles
+    dot_bf16 = p.dtype == "bfloat16" and even_d and even_e
+    launch = Launch(
+        kernel=_lightning_varlen_kernel, grid=(items * per_item,),
+        params=dict(
+            q_ptr="q", k_ptr="k", v_ptr="v", decay_ptr="ed", cu_ptr="cu_seqlens",
+            # dummies when absent (never read)
+            slot_ptr="slot_idx" if p.has_cache else "cu_seqlens",
+            cache_in_ptr="kv_cache" if p.has_cache else "ed",
+            num_heads=Scalar(p.h), num_seqs=Scalar(p.b),
+            num_slots=Scalar(p.kv_cache.shape[0] if p.has_cache else 0),
+            head_k=Scalar(p.d), head_v=Scalar(p.e), seg_len=Scalar(c.segment_len if segmented else 0),
+            search_steps=Scalar(p.b.bit_length()), stride_decay=Scalar(p.ed.strides[0]),
+            **_aligned("stride_qt stride_qh", p.q.strides[:2]),
+            **_aligned("stride_kt stride_kh", p.k.strides[:2]),
+            **_aligned("stride_vt stride_vh", p.v.strides[:2]),
+            **_aligned("stride_ot stride_oh", (p.h * p.e, p.e)),
+            **_aligned("stride_cs stride_ch stride_cd", state),
+            **_aligned("stride_pw stride_ph stride_pd", pub),
+            o_ptr="output", state_ptr="kv_cache" if p.has_cache else "states",
+            pub_ptr="seg_state", sync_ptr="sync"),
+        writes=("o_ptr", "state_ptr", "pub_ptr", "sync_ptr"),
+        constexprs=dict(
+            BLOCK_T=c.block_t, BLOCK_D=p.block_d, BLOCK_E=c.block_e, N_E=n_e, EVEN_D=even_d,
+            EVEN_E=even_e, HAS_CACHE=p.has_cache, SEGMENTED=segmented, DOT_BF16=dot_bf16,
+            DOT_PRECISION=c.dot_precision, OFFS_64=not p.offs_32,
+            P1_T=2 * c.block_t if dot_bf16 else c.block_t, P1_STAGES=2,
+            # as the prefill: the state product from bf16 hi/lo pairs for fp32/fp16
+            # whole tiles on the GPU (never under the interpreter, whose bf16 dot is broken)
+            SPLIT_STATE=(not dot_bf16 and even_d and even_e and c.dot_precision == "tf32"
+                         and not target.interpret)),
+        num_warps=c.num_warps, num_stages=c.num_stages)
+    return Plan(p.buffers(items, per_item, segmented), (launch,), p.results)
+
+
+def varlen_work_items(plan: Plan) -> int:
+    """The number of work items of a varlen plan (its grid over programs per item)."""
+    if not plan.launches:
+        return 0
+    launch = plan.launches[0]
+    return launch.grid[0] // (launch.params["num_heads"].value * launch.constexprs["N_E"])
+
+
+def check_varlen_host_data(cu_seqlens, num_tokens: int, slot_idx=None, num_slots: int = 0) -> None:
+    """Checks of index data that is already on the host (costs no device sync;
+    None: not host data, unchecked): cu_seqlens starts at 0, never decreases and
+    ends at ``num_tokens`` (q's T); slot ids are -1 or in [0, num_slots), and no non-negative id appears twice
+    (two sequences would write one slot). On the device none of this is checked:
+    invalid cu_seqlens or duplicate slots are undefined behaviour; an id outside
+    [-1, num_slots) gives that sequence NaN outputs and touches no slot."""
+    cu = np.asarray(cu_seqlens if cu_seqlens is not None else [0, num_tokens]).astype(np.int64)
+    if cu.size and cu[0] != 0:
+        raise ValueError(f"cu_seqlens: cu_seqlens[0] must be 0, got {int(cu[0])}")
+    steps = np.diff(cu)
+    if (steps < 0).any():
+        i = int(np.argmax(steps < 0))
+        raise ValueError(f"cu_seqlens: must be non-decreasing, got {int(cu[i])} then {int(cu[i + 1])} "
+                         f"at index {i}")
+    if cu.size and cu[-1] != num_tokens:
+        raise ValueError(f"cu_seqlens: cu_seqlens[-1] = {int(cu[-1])} does not match the T = "
+                         f"{num_tokens} tokens of q")
+    if slot_idx is None:
+        return
+    ids = np.asarray(slot_idx).astype(np.int64)
+    bad = ids[(ids < -1) | (ids >= num_slots)]
+    if bad.size:
+        raise ValueError(f"slot_idx: ids must be -1 or in [0, {num_slots}), got {bad[:4].tolist()}")
+    used = ids[ids >= 0]
+    uniq, counts = np.unique(used, return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"slot_idx: duplicate slot ids {uniq[counts > 1][:4].tolist()} "
+                         "(two sequences would write one slot)")

@@ -1,0 +1,345 @@
+"""Peer check: vLLM's own kernel tests, run unmodified against adapters.torch and
+against vLLM's own Triton kernels (the baseline), side by side.
+
+    python -m tools.peer_check --impl both            # from the repository root
+    python -m tools.peer_check --impl ours --only prefix,merge -k alibi
+    python -m tools.peer_check --impl both --collect-only
+
+vLLM's files live in .peer/vllm_src/ (git-ignored, listed with their repository
+paths and commits in .peer/MANIFEST.json; never committed). For each mode this
+tool assembles .peer/shim/<impl>/ (see tools/peer_check_shim/README.md):
+  - a shim `vllm` package: environment facts only (platform, triton, logger,
+    utils), `vllm._custom_ops` whose every op skips the calling test;
+  - --impl ours: the op modules the tests import re-export adapters.torch (a name
+    we lack raises "MISSING in adapters.torch" when called); vLLM's
+    chunked_prefill_paged_decode.py is vLLM's file bound to our context_attention_fwd;
+  - --impl vllm: vLLM's own files from .peer/vllm_src/vllm/;
+  - vLLM's test files (unmodified) under tests/, and our conftest.py.
+Each test file runs in its own pytest process (-p no:cacheprovider) with a
+timeout; the JSON summary goes to --out (default $OUT/peer_check.json when $OUT
+is set, else .peer/peer_check.json).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SHIM_SRC = Path(__file__).resolve().parent / "peer_check_shim"
+
+TEST_FILES = {
+    "merge": "tests/kernels/attention/test_merge_attn_states.py",
+    "prefix": "tests/kernels/attention/test_prefix_prefill.py",
+    "lightning": "tests/kernels/attention/test_lightning_attn.py",
+    "blocksparse": "tests/kernels/attention/test_blocksparse_attention.py",
+}
+IMPLS = ("ours", "vllm")
+
+# vLLM files used in --impl ours too (they wrap our op; a drop-in user runs them as is)
+OURS_KEEPS_VLLM = ("vllm/v1/attention/ops/chunked_prefill_paged_decode.py",)
+
+CUSTOM_OP_MARK = "peer-check: vllm._custom_ops."
+OPTIONAL_MARK = "need --optional option to run"
+MISSING_MARK = "MISSING in adapters.torch"
+
+
+# --------------------------------------------------------------------------- files
+def load_manifest(peer: Path) -> dict:
+    path = peer / "MANIFEST.json"
+    if not path.exists():
+        raise SystemExit(f"{path} not found: fetch vLLM's files into {peer}/vllm_src first "
+                         "(see the MANIFEST format in tools/peer_check.py)")
+    return json.loads(path.read_text())
+
+
+def verify_manifest(peer: Path, manifest: dict) -> list[str]:
+    problems = []
+    for entry in manifest["files"]:
+        path = peer / "vllm_src" / entry["path"]
+        if not path.exists():
+            problems.append(f"missing: {entry['path']}")
+            continue
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        if digest != entry["sha256"]:
+            problems.append(f"sha256 differs: {entry['path']}")
+    return problems
+
+
+def _copytree(src: Path, dst: Path) -> None:
+    for path in sorted(src.rglob("*")):
+        if "__pycache__" in path.parts:
+            continue
+        target = dst / path.relative_to(src)
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+
+
+def _add_init_files(root: Path) -> None:
+    for d in [root, *sorted(p for p in root.rglob("*") if p.is_dir())]:
+        if d.name == "__pycache__":
+            continue
+        init = d / "__init__.py"
+        if not init.exists():
+            init.write_text('"""peer_check shim package (empty)."""\n')
+
+
+def build_shim(impl: str, peer: Path) -> Path:
+    """(Re)build .peer/shim/<impl>/ and return it."""
+    src = peer / "vllm_src"
+    root = peer / "shim" / impl
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    common = SHIM_SRC / "common"
+    _copytree(common / "vllm", root / "vllm")
+    shutil.copyfile(common / "peer_check_missing.py", root / "peer_check_missing.py")
+    if importlib.util.find_spec("einops") is None:
+        _copytree(common / "einops", root / "einops")
+    if impl == "ours":
+        _copytree(SHIM_SRC / "ours" / "vllm", root / "vllm")
+        for rel in OURS_KEEPS_VLLM:
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / rel, root / rel)
+    else:
+        _copytree(src / "vllm", root / "vllm")
+    _copytree(src / "tests", root / "tests")
+    _add_init_files(root / "vllm")
+    _add_init_files(root / "tests")
+    shutil.copyfile(SHIM_SRC / "conftest.py", root / "conftest.py")
+    (root / "pytest.ini").write_text("[pytest]\n# peer_check: rootdir anchor (our code)\n")
+    return root
+
+
+# --------------------------------------------------------------------------- running
+def run_file(impl: str, key: str, root: Path, args, log_dir: Path) -> dict:
+    test = TEST_FILES[key]
+    results_path = log_dir / f"{key}.{impl}.jsonl"
+    log_path = log_dir / f"{key}.{impl}.log"
+    results_path.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-c", str(root / "pytest.ini"),
+           "--rootdir", str(root), "-q", "-rN", "--no-header", test]
+    if args.collect_only:
+        cmd.append("--collect-only")
+    if args.k:
+        cmd += ["-k", args.k]
+    cmd += args.pytest_args
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(REPO)] +
+                                        ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PEER_CHECK_IMPL"] = impl
+    env["PEER_CHECK_RESULTS"] = str(results_path)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    t0 = time.time()
+    timed_out = False
+    with open(log_path, "w", encoding="utf-8") as log:
+        log.write(f"$ {' '.join(cmd)}\n(cwd {root}, impl {impl})\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(proc.pid, signal.SIGKILL)   # the pytest process group this call started
+            rc = proc.wait()
+    summary = summarize(results_path, impl)
+    summary.update(file=test, rc=rc, timed_out=timed_out, duration_s=round(time.time() - t0, 1),
+                   log=str(log_path))
+    if rc not in (0, 1, 5) and not timed_out and not summary["collect_errors"]:
+        summary["log_tail"] = log_path.read_text(errors="replace").splitlines()[-15:]
+    return summary
+
+
+def _skip_category(reason: str) -> str:
+    if CUSTOM_OP_MARK in reason:
+        return "custom_op"
+    if OPTIONAL_MARK in reason:
+        return "optional"
+    return "other"
+
+
+def summarize(results_path: Path, impl: str) -> dict:
+    collected: list[str] = []
+    collect_errors = []
+    phases: dict[str, list[dict]] = {}
+    if results_path.exists():
+        for line in results_path.read_text(encoding="utf-8").splitlines():
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            if rec["event"] == "collected":
+                collected = rec["nodeids"]
+            elif rec["event"] == "collect_error":
+                collect_errors.append({"nodeid": rec["nodeid"], "first_line": rec["message"]})
+            elif rec["event"] == "report":
+                phases.setdefault(rec["nodeid"], []).append(rec)
+    outcomes: dict[str, str] = {}
+    counts = dict(passed=0, failed=0, errors=0, skipped=0, skipped_custom_op=0, skipped_optional=0,
+                  skipped_other=0, missing_in_ours=0)
+    failures, skip_reasons = [], {}
+    for nodeid, recs in phases.items():
+        by = {r["when"]: r for r in recs}
+        bad_fixture = [r for w, r in by.items() if w in ("setup", "teardown") and r["outcome"] == "failed"]
+        skipped = [r for r in recs if r["outcome"] == "skipped"]
+        call = by.get("call")
+        if call is not None and call["outcome"] == "failed":
+            outcome, msg = "failed", call.get("message", "")
+        elif bad_fixture:
+            outcome, msg = "error", bad_fixture[0].get("message", "")
+        elif skipped:
+            outcome, msg = "skipped", skipped[0].get("reason", "")
+        elif call is not None and call["outcome"] == "passed":
+            outcome, msg = "passed", ""
+        else:
+            outcome, msg = "error", "no call report (interrupted?)"
+        outcomes[nodeid] = outcome
+        if outcome == "passed":
+            counts["passed"] += 1
+        elif outcome == "skipped":
+            counts["skipped"] += 1
+            counts["skipped_" + _skip_category(msg)] += 1
+            skip_reasons[msg] = skip_reasons.get(msg, 0) + 1
+        else:
+            counts["failed" if outcome == "failed" else "errors"] += 1
+            if MISSING_MARK in msg:
+                counts["missing_in_ours"] += 1
+            failures.append({"nodeid": nodeid, "outcome": outcome, "first_line": msg})
+    not_run = [n for n in collected if n not in outcomes]
+    return dict(impl=impl, collected=len(collected), **counts, not_run=len(not_run),
+                collect_errors=collect_errors, failures=failures, skip_reasons=skip_reasons,
+                outcomes=outcomes)
+
+
+def compare(results: dict) -> dict:
+    out = {}
+    for key, by_impl in results.items():
+        if not all(i in by_impl for i in IMPLS):
+            continue
+        o, v = by_impl["ours"]["outcomes"], by_impl["vllm"]["outcomes"]
+        out[key] = dict(
+            ours_passed=by_impl["ours"]["passed"], vllm_passed=by_impl["vllm"]["passed"],
+            ours_at_least_vllm=by_impl["ours"]["passed"] >= by_impl["vllm"]["passed"],
+            passed_in_vllm_not_ours=sorted(n for n, r in v.items() if r == "passed" and o.get(n) != "passed"),
+            passed_in_ours_not_vllm=sorted(n for n, r in o.items() if r == "passed" and v.get(n) != "passed"))
+    return out
+
+
+def environment() -> dict:
+    env = {"python": sys.version.split()[0]}
+    try:
+        import torch
+        env["torch"] = torch.__version__
+        env["cuda_available"] = torch.cuda.is_available()
+        if torch.cuda.is_available():
+            env["device"] = torch.cuda.get_device_name(0)
+            env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        env["torch"] = f"unavailable: {e}"
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except Exception as e:  # noqa: BLE001
+        env["triton"] = f"unavailable: {e}"
+    return env
+
+
+def print_table(results: dict, collect_only: bool) -> None:
+    if collect_only:
+        head = f"{'file':<12} {'impl':<5} {'collected':>9} {'coll.err':>8} {'rc':>3}"
+        print(head + "\n" + "-" * len(head))
+        for key, by_impl in results.items():
+            for impl, r in by_impl.items():
+                print(f"{key:<12} {impl:<5} {r['collected']:>9} {len(r['collect_errors']):>8} {r['rc']:>3}")
+        return
+    head = (f"{'file':<12} {'impl':<5} {'coll':>5} {'pass':>5} {'fail':>5} {'err':>4} "
+            f"{'skip':>5} {'(cuda-op':>8} {'optional':>8} {'other)':>6} {'missing':>7} {'time_s':>7}")
+    print(head + "\n" + "-" * len(head))
+    for key, by_impl in results.items():
+        for impl, r in by_impl.items():
+            flag = " TIMEOUT" if r["timed_out"] else ""
+            print(f"{key:<12} {impl:<5} {r['collected']:>5} {r['passed']:>5} {r['failed']:>5} "
+                  f"{r['errors'] + len(r['collect_errors']):>4} {r['skipped']:>5} "
+                  f"{r['skipped_custom_op']:>8} {r['skipped_optional']:>8} {r['skipped_other']:>6} "
+                  f"{r['missing_in_ours']:>7} {r['duration_s']:>7}{flag}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.peer_check", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--impl", choices=("ours", "vllm", "both"), default="both")
+    p.add_argument("--only", default=",".join(TEST_FILES),
+                   help=f"comma-separated subset of {','.join(TEST_FILES)}")
+    p.add_argument("-k", default=None, help="pytest -k expression, passed through")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per test file (default 600)")
+    p.add_argument("--out", default=None, help="JSON summary path (default $OUT/peer_check.json "
+                   "if $OUT is set, else .peer/peer_check.json)")
+    p.add_argument("--peer-dir", default=str(REPO / ".peer"), help="where vLLM's files are (default .peer)")
+    p.add_argument("--collect-only", action="store_true", help="only collect (no kernels run)")
+    p.add_argument("--keep-failures", type=int, default=200,
+                   help="at most this many failures listed per file and impl in the JSON")
+    p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    args = p.parse_args(argv)
+
+    keys = [k.strip() for k in args.only.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in TEST_FILES]
+    if unknown:
+        p.error(f"--only: unknown {unknown}; choose from {list(TEST_FILES)}")
+    impls = IMPLS if args.impl == "both" else (args.impl,)
+    peer = Path(args.peer_dir).resolve()
+    manifest = load_manifest(peer)
+    problems = verify_manifest(peer, manifest)
+    for msg in problems:
+        print(f"peer_check: MANIFEST: {msg}", file=sys.stderr)
+    if args.out:
+        out = Path(args.out)
+    elif os.environ.get("OUT"):
+        out = Path(os.environ["OUT"]) / "peer_check.json"
+    else:
+        out = peer / "peer_check.json"
+    log_dir = out.parent / "peer_check_logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    results: dict = {}
+    for impl in impls:
+        root = build_shim(impl, peer)
+        for key in keys:
+            print(f"peer_check: {key} [{impl}] ...", flush=True)
+            r = run_file(impl, key, root, args, log_dir)
+            r["failures"] = r["failures"][: args.keep_failures]
+            results.setdefault(key, {})[impl] = r
+
+    summary = dict(
+        generated=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        command=" ".join([Path(sys.executable).name, "-m", "tools.peer_check", *(argv or sys.argv[1:])]),
+        collect_only=args.collect_only, environment=environment(),
+        vllm_sources=manifest, manifest_problems=problems,
+        categories={"skipped_custom_op": f"skip reason contains {CUSTOM_OP_MARK!r}",
+                    "skipped_optional": f"skip reason {OPTIONAL_MARK!r} (vLLM's --optional gate)",
+                    "missing_in_ours": f"failure message contains {MISSING_MARK!r}"},
+        results=results, comparison=compare(results) if not args.collect_only else {})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=1))
+    print()
+    print_table(results, args.collect_only)
+    print(f"\npeer_check: summary -> {out}; logs -> {log_dir}")
+    if args.collect_only:
+        bad = any(r["collect_errors"] or r["rc"] not in (0,) for by in results.values() for r in by.values())
+        return 1 if bad or problems else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

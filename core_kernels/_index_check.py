@@ -308,4 +308,8 @@ def check_lightning_varlen(host: dict, *, num_tokens: int, num_slots: int) -> No
     cu_seqlens starts at 0, never decreases and ends at T; slot ids in
     [-1, num_slots), no non-negative id twice (two sequences would write one slot)."""
     from .lightning_attention.varlen_plan import check_varlen_host_data
-    check_varlen_host_data(host["cu_seqlens"], num_tokens, host.get("slot_idx"), num_slots)
+    cu, slots = host["cu_seqlens"], host.get("slot_idx")
+    if cu.ndim != 1 or cu.size < 1 or (slots is not None and (
+            num_slots == 0 or slots.shape != (cu.size - 1,))):
+        return  # shapes that do not fit each other: the planner's error comes first
+    check_varlen_host_data(cu, num_tokens, slots, num_slots)

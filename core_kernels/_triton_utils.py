@@ -53,7 +53,9 @@ def round_to_fp8_grid(x, MANT_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
     # subnormals: adding 2**k rounds to its ulp (the fp8 subnormal quantum), ties to even
     sub = (tl.abs(x) + SUBNORMAL_MAGIC) - SUBNORMAL_MAGIC
     sub = (sub.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
-    return tl.where(tl.abs(x) < MIN_NORMAL, sub, normal)
+    # NaN stays NaN: the GPU's canonical NaN (0x7FFFFFFF) would carry into the sign
+    # bit above and come out as -0 (found by tests/test_properties.py on the H200)
+    return tl.where(x == x, tl.where(tl.abs(x) < MIN_NORMAL, sub, normal), x)
 
 
 # (MANT_BITS, MIN_NORMAL, SUBNORMAL_MAGIC) per fp8 format: the magic number's

@@ -19,7 +19,7 @@ import torch
 
 from core_kernels import _index_check
 from core_kernels.blocksparse_attention import build_sparse_layout
-from harness import (GPU, JaxAdapter, TorchAdapter, assert_bitwise_equal, requires_gpu, rng, to_jax,
+from harness import (DEVICE, GPU, JaxAdapter, TorchAdapter, assert_bitwise_equal, requires_gpu, rng, to_jax,
                      to_torch, torch_to_numpy)
 import adapters.torch as at
 
@@ -251,6 +251,8 @@ class IndexValidationTests:
     @pytest.mark.parametrize("case", DECODE_BAD)
     def test_decode_host_ids_range_checked_without_validation(self, case, monkeypatch):
         """Host (CPU) slot ids cost no sync: their range is checked always, as before."""
+        if GPU:
+            pytest.skip("the ids are device data on the GPU: checked only when validating")
         ids, always = DECODE_BAD[case]
         monkeypatch.delenv(ENV, raising=False)
         self.no_launch(monkeypatch, "decode")
@@ -321,7 +323,7 @@ class TestTorch(TorchAdapter, IndexValidationTests):
 
     def prefix(self, c, **kw):
         t = lambda n: None if c[n] is None else to_torch(c[n])  # noqa: E731
-        o = torch.zeros(c["q"].shape, dtype=torch.float32)
+        o = torch.zeros(c["q"].shape, dtype=torch.float32, device=DEVICE)
         k_cache = t("k_cache")
         b_loc = to_torch(c["b_loc_ptr"](k_cache)) if "b_loc_ptr" in c else t("b_loc")
         at.context_attention_fwd(t("q"), t("k"), t("v"), o, "auto", k_cache, t("v_cache"), b_loc,
@@ -507,7 +509,7 @@ class TestJax(JaxAdapter, IndexValidationTests):
         args = [jax.device_put(c[n]) for n in ("q", "k", "v", "kv_caches", "slope_rate", "slot_idx")]
         import adapters.jax as aj
         jax.block_until_ready(aj.linear_decode_forward_triton(*args))
-        with jax.transfer_guard_device_to_host("disallow"):
+        with jax.transfer_guard_device_to_host("disallow_explicit"):
             jax.block_until_ready(aj.linear_decode_forward_triton(*args))
             with pytest.raises(Exception):
                 aj.linear_decode_forward_triton(*args, validate_indices=True)

@@ -273,18 +273,21 @@ class VarlenTests:
         for key in ("q", "k", "v", "cache"):
             if isinstance(a[key], str):
                 a[key] = fix[a[key]]({"q": q, "k": k, "v": v, "cache": cache}[key])
+        # index values are checked on every call only where they are host data; on
+        # the GPU they are device data, checked under the validation switch
         with pytest.raises((ValueError, TypeError), match=name):
             self.run(a["q"], a["k"], a["v"], a["ed"], a["cu"], a["cache"], a["slots"],
-                     block_size=a["block_size"])
+                     block_size=a["block_size"], validate_indices=True if GPU else None)
 
 
 class TestTorch(TorchAdapter, VarlenTests):
-    def run(self, q, k, v, ed, cu, cache=None, slots=None, *, config=None, jit=False, block_size=256):
+    def run(self, q, k, v, ed, cu, cache=None, slots=None, *, config=None, jit=False, block_size=256,
+            validate_indices=None):
         ct = None if cache is None else to_torch(cache)
         out, state = at.lightning_attention_varlen(
             *map(to_torch, (q, k, v, ed, cu)), kv_cache=ct,
             slot_idx=None if slots is None else to_torch(slots),
-            block_size=block_size, config=config)
+            block_size=block_size, config=config, validate_indices=validate_indices)
         if ct is not None:
             assert state is ct, "the cache is updated in place and returned"
         return torch_to_numpy(out), torch_to_numpy(state)
@@ -336,13 +339,15 @@ class TestTorch(TorchAdapter, VarlenTests):
 
 
 class TestJax(JaxAdapter, VarlenTests):
-    def run(self, q, k, v, ed, cu, cache=None, slots=None, *, config=None, jit=False, block_size=256):
+    def run(self, q, k, v, ed, cu, cache=None, slots=None, *, config=None, jit=False, block_size=256,
+            validate_indices=None):
         import jax
         import adapters.jax as aj
 
         def fn(q, k, v, ed, cu, cache, slots):
             return aj.lightning_attention_varlen(q, k, v, ed, cu, kv_cache=cache, slot_idx=slots,
-                                                 block_size=block_size, config=config)
+                                                 block_size=block_size, config=config,
+                                                 validate_indices=validate_indices)
         if jit:
             fn = jax.jit(fn)
         out, state = fn(*map(to_jax, (q, k, v, ed, cu)), None if cache is None else to_jax(cache),

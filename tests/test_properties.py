@@ -280,6 +280,7 @@ def prefix_inputs(c):
     """numpy arrays of a drawn case: physical blocks permuted; every cache token no
     query can see (stale blocks, block tails, tokens before the window) NaN;
     unused block-table slots hold a NaN block's id or a wild id."""
+    trace(c)
     g = np.random.default_rng(c["seed"])
     hq, hkv, d, x, bs, dtype = c["hq"], c["hkv"], c["d"], c["x"], c["bs"], c["dtype"]
     qlens = np.array([s[0] for s in c["seqs"]], np.int64)
@@ -344,6 +345,14 @@ def prefix_inputs(c):
 
 
 PP_ARRAYS = ("q", "k", "v", "k_cache", "v_cache", "b_loc", "b_start_loc", "b_seq_len")
+
+
+def trace(case):
+    """Print the drawn case when TANDEM_TRACE_CASES is set (with
+    CUDA_LAUNCH_BLOCKING=1, the last one printed before a device fault is its case)."""
+    import os
+    if os.environ.get("TANDEM_TRACE_CASES"):
+        print("CASE", repr(case), flush=True)
 
 
 @budget(2.0)

@@ -1,0 +1,52 @@
+"""Reproducer of an open bug: context_attention_fwd faults on the GPU (illegal
+memory access, torch adapter) for one case drawn by tests/test_properties.py's
+"ci" profile on the H200 (2026-11-24, commit after 14ec55c). The same case runs
+clean under Triton's interpreter on the CPU, also with the H200's plan.
+
+    python -m tools.repro_prefix_fault            # GPU: faults while the bug is open
+    compute-sanitizer --tool memcheck python -m tools.repro_prefix_fault
+"""
+import sys
+
+import numpy as np
+
+sys.path.insert(0, "tests")
+
+import core_kernels  # noqa: E402,F401  (before triton: the CPU path)
+import test_properties as tp  # noqa: E402
+
+import adapters.torch as at  # noqa: E402
+from core_kernels.prefix_prefill import context_attention_reference  # noqa: E402
+
+CASE = {'hq': 2, 'hkv': 1, 'd': 24, 'x': 1, 'bs': 32, 'seqs': [(12, 158), (31, 0), (0, 0)],
+        'dtype': 'bfloat16', 'cache_fmt': 'float8_e4m3fn', 'kv_cache_dtype': 'auto', 'as_uint8': False,
+        'k_scale': 0.5, 'v_scale': 1.5204818855572941, 'window': 0, 'alibi': False, 'causal': True,
+        'cache_new': True, 'sinks': False, 'sm_scale': 0.05, 'skip_decode': True, 'out_scale': None,
+        'v_pack': 1, 'extra_len': 1, 'table_dtype': 'int32', 'config': None,
+        'views': {'q': ('contiguous',), 'k': ('contiguous',), 'v': ('contiguous',), 'o': ('contiguous',),
+                  'k_cache': ('contiguous',), 'b_loc': ('pad', 1), 'v_cache': ('perm', (1, 0))},
+        'jit': True, 'seed': 65307}
+
+
+def main():
+    c = dict(CASE)
+    if not tp.GPU:
+        c["dtype"] = "float32"  # the interpreter's bf16 arithmetic is not meaningful
+    a, opts, keep, _, mil = tp.prefix_inputs(c)
+    t = {n: None if a[n] is None else tp.as_torch(a[n], c["views"].get(n, ("contiguous",)))
+         for n in tp.PP_ARRAYS}
+    print("b_loc", a["b_loc"].tolist(), "strides", t["b_loc"].stride())
+    print({n: (tuple(x.shape), x.stride(), str(x.dtype)) for n, x in t.items() if x is not None})
+    o = tp.as_torch(keep, c["views"]["o"])
+    at.context_attention_fwd(
+        t["q"], t["k"], t["v"], o, opts["kv_cache_dtype"], t["k_cache"], t["v_cache"], t["b_loc"],
+        t["b_start_loc"], t["b_seq_len"], 0, mil, tp.scalar_tensor(opts["k_scale"]),
+        tp.scalar_tensor(opts["v_scale"]), None, opts["sliding_window"], opts["sm_scale"],
+        opts["skip_decode"], None, None, False, opts["interleaved_v_pack_factor"], opts["causal"])
+    out = tp.torch_to_numpy(o).astype(np.float64)
+    ref = context_attention_reference(*(a[n] for n in tp.PP_ARRAYS), output=keep, **opts)
+    print("max |out - ref|", float(np.nanmax(np.abs(out - ref))))
+
+
+if __name__ == "__main__":
+    main()

@@ -5,6 +5,11 @@ clean under Triton's interpreter on the CPU, also with the H200's plan.
 
     python -m tools.repro_prefix_fault            # GPU: faults while the bug is open
     compute-sanitizer --tool memcheck python -m tools.repro_prefix_fault
+    python -m tools.repro_prefix_fault x=8 'config=PrefixPrefillConfig(64, 64, num_stages=1)'
+
+memcheck (H200): "Out-of-range shared or local address" at the K-tile load of
+_attend (kernels.py:178), program (0, 0, 0): a shared-memory access, not a global one.
+Arguments ``key=value`` override entries of CASE (values are Python expressions).
 """
 import sys
 
@@ -16,7 +21,7 @@ import core_kernels  # noqa: E402,F401  (before triton: the CPU path)
 import test_properties as tp  # noqa: E402
 
 import adapters.torch as at  # noqa: E402
-from core_kernels.prefix_prefill import context_attention_reference  # noqa: E402
+from core_kernels.prefix_prefill import PrefixPrefillConfig, context_attention_reference  # noqa: E402,F401
 
 CASE = {'hq': 2, 'hkv': 1, 'd': 24, 'x': 1, 'bs': 32, 'seqs': [(12, 158), (31, 0), (0, 0)],
         'dtype': 'bfloat16', 'cache_fmt': 'float8_e4m3fn', 'kv_cache_dtype': 'auto', 'as_uint8': False,
@@ -30,6 +35,9 @@ CASE = {'hq': 2, 'hkv': 1, 'd': 24, 'x': 1, 'bs': 32, 'seqs': [(12, 158), (31, 0
 
 def main():
     c = dict(CASE)
+    for arg in sys.argv[1:]:
+        key, value = arg.split("=", 1)
+        c[key] = eval(value)  # noqa: S307  (a developer's command line)
     if not tp.GPU:
         c["dtype"] = "float32"  # the interpreter's bf16 arithmetic is not meaningful
     a, opts, keep, _, mil = tp.prefix_inputs(c)
@@ -42,7 +50,8 @@ def main():
         t["q"], t["k"], t["v"], o, opts["kv_cache_dtype"], t["k_cache"], t["v_cache"], t["b_loc"],
         t["b_start_loc"], t["b_seq_len"], 0, mil, tp.scalar_tensor(opts["k_scale"]),
         tp.scalar_tensor(opts["v_scale"]), None, opts["sliding_window"], opts["sm_scale"],
-        opts["skip_decode"], None, None, False, opts["interleaved_v_pack_factor"], opts["causal"])
+        opts["skip_decode"], None, None, False, opts["interleaved_v_pack_factor"], opts["causal"],
+        config=c["config"])
     out = tp.torch_to_numpy(o).astype(np.float64)
     ref = context_attention_reference(*(a[n] for n in tp.PP_ARRAYS), output=keep, **opts)
     print("max |out - ref|", float(np.nanmax(np.abs(out - ref))))

@@ -54,12 +54,34 @@ MISSING_MARK = "MISSING in adapters.torch"
 
 
 # --------------------------------------------------------------------------- files
+# the vLLM files the check uses (repo, path, commit, sha256); ours, no vLLM code
+MANIFEST = SHIM_SRC / "MANIFEST.json"
+
+
 def load_manifest(peer: Path) -> dict:
     path = peer / "MANIFEST.json"
     if not path.exists():
-        raise SystemExit(f"{path} not found: fetch vLLM's files into {peer}/vllm_src first "
-                         "(see the MANIFEST format in tools/peer_check.py)")
+        raise SystemExit(f"{path} not found: run with --fetch once (needs network) to read "
+                         f"vLLM's files listed in {MANIFEST} into {peer}/vllm_src")
     return json.loads(path.read_text())
+
+
+def fetch(peer: Path) -> None:
+    """Download each file of MANIFEST at its commit from GitHub into
+    ``peer``/vllm_src and check its sha256; writes ``peer``/MANIFEST.json."""
+    import urllib.request
+    manifest = json.loads(MANIFEST.read_text())
+    for entry in manifest["files"]:
+        url = f"https://raw.githubusercontent.com/{entry['repo']}/{entry['commit']}/{entry['path']}"
+        with urllib.request.urlopen(url, timeout=60) as r:  # noqa: S310 (a fixed https host)
+            data = r.read()
+        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise SystemExit(f"sha256 of {url} differs from the manifest's")
+        dst = peer / "vllm_src" / entry["path"]
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(data)
+        print(f"peer_check: fetched {entry['path']} @ {entry['commit'][:8]}")
+    (peer / "MANIFEST.json").write_text(MANIFEST.read_text())
 
 
 def verify_manifest(peer: Path, manifest: dict) -> list[str]:
@@ -288,6 +310,9 @@ def main(argv=None) -> int:
                    "if $OUT is set, else .peer/peer_check.json)")
     p.add_argument("--peer-dir", default=str(REPO / ".peer"), help="where vLLM's files are (default .peer)")
     p.add_argument("--collect-only", action="store_true", help="only collect (no kernels run)")
+    p.add_argument("--fetch", action="store_true",
+                   help="download vLLM's files listed in tools/peer_check_shim/MANIFEST.json "
+                        "(at their commits, sha256-checked) into --peer-dir, then exit")
     p.add_argument("--keep-failures", type=int, default=200,
                    help="at most this many failures listed per file and impl in the JSON")
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
@@ -299,6 +324,9 @@ def main(argv=None) -> int:
         p.error(f"--only: unknown {unknown}; choose from {list(TEST_FILES)}")
     impls = IMPLS if args.impl == "both" else (args.impl,)
     peer = Path(args.peer_dir).resolve()
+    if args.fetch:
+        fetch(peer)
+        return 0
     manifest = load_manifest(peer)
     problems = verify_manifest(peer, manifest)
     for msg in problems:

@@ -6,6 +6,7 @@ clean under Triton's interpreter on the CPU, also with the H200's plan.
     python -m tools.repro_prefix_fault            # GPU: faults while the bug is open
     compute-sanitizer --tool memcheck python -m tools.repro_prefix_fault
     python -m tools.repro_prefix_fault x=8 'config=PrefixPrefillConfig(64, 64, num_stages=1)'
+    python -m tools.repro_prefix_fault --bisect   # each variant below in its own process
 
 memcheck (H200): "Out-of-range shared or local address" at the K-tile load of
 _attend (kernels.py:178), program (0, 0, 0): a shared-memory access, not a global one.
@@ -33,7 +34,41 @@ CASE = {'hq': 2, 'hkv': 1, 'd': 24, 'x': 1, 'bs': 32, 'seqs': [(12, 158), (31, 0
         'jit': True, 'seed': 65307}
 
 
+# one change each from CASE: which option the fault needs
+VARIANTS = [
+    [],
+    ["config=PrefixPrefillConfig(64, 64, num_stages=1)"],
+    ["config=PrefixPrefillConfig(64, 64, prefetch_ids=0)"],
+    ["config=PrefixPrefillConfig(64, 32)"],
+    ["config=PrefixPrefillConfig(64, 64, gather=True)"],
+    ["config=PrefixPrefillConfig(64, 64, pack_gqa=False)"],
+    ["x=8"], ["v_pack=0"], ["cache_fmt=None"], ["d=32"], ["cache_new=False"],
+    ["skip_decode=False"], ["dtype='float16'"], ["bs=16"],
+]
+
+
+def bisect() -> None:
+    """Run every VARIANTS entry in its own process (a device fault poisons the
+    process) and print one line each: ok (with the error vs the reference),
+    FAULT, or the error."""
+    import subprocess
+    for change in VARIANTS:
+        res = subprocess.run([sys.executable, "-m", "tools.repro_prefix_fault", *change],
+                             capture_output=True, text=True, timeout=300)
+        text = res.stdout + res.stderr
+        if "illegal memory access" in text:
+            verdict = "FAULT"
+        elif "max |out - ref|" in text:
+            verdict = "ok " + text.split("max |out - ref|")[1].split()[0]
+        else:
+            verdict = "error: " + (text.strip().splitlines() or ["?"])[-1][:160]
+        print(f"{' '.join(change) or '(the case as drawn)':60s} {verdict}", flush=True)
+
+
 def main():
+    if sys.argv[1:] == ["--bisect"]:
+        bisect()
+        return
     c = dict(CASE)
     for arg in sys.argv[1:]:
         key, value = arg.split("=", 1)

@@ -10,6 +10,8 @@ clean under Triton's interpreter on the CPU, also with the H200's plan.
 
 memcheck (H200): "Out-of-range shared or local address" at the K-tile load of
 _attend (kernels.py:178), program (0, 0, 0): a shared-memory access, not a global one.
+Offline sm_90 compile (tools/offline_compile.py) of the H200 plan: bf16 3 stages,
+16 KB shared memory; the same case in fp32 plans 2 stages, 20 KB.
 Arguments ``key=value`` override entries of CASE (values are Python expressions).
 """
 import sys
@@ -38,6 +40,7 @@ CASE = {'hq': 2, 'hkv': 1, 'd': 24, 'x': 1, 'bs': 32, 'seqs': [(12, 158), (31, 0
 VARIANTS = [
     [],
     ["config=PrefixPrefillConfig(64, 64, num_stages=1)"],
+    ["config=PrefixPrefillConfig(64, 64, num_stages=2)"],  # the H200 plan has 3 (bf16)
     ["config=PrefixPrefillConfig(64, 64, prefetch_ids=0)"],
     ["config=PrefixPrefillConfig(64, 32)"],
     ["config=PrefixPrefillConfig(64, 64, gather=True)"],

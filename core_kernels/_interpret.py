@@ -6,6 +6,7 @@ the torch adapter hands CPU tensors to the interpreter directly. Both use
 """
 from __future__ import annotations
 
+import threading
 import types
 
 import numpy as np
@@ -13,6 +14,13 @@ import numpy as np
 from ._plan import Plan, Scalar
 
 _INTERPRETED = {}
+
+# NOTE: Triton's interpreter is not thread-safe: a launch patches triton.language's
+# functions for the kernel's duration and restores them after, process-wide. Two
+# launches at once (XLA runs the host callbacks of shard_map's shards in parallel,
+# or user threads) break each other ("Did you forget to add @triton.jit ?") or
+# compute with the other's state. Every interpreted launch holds this lock.
+INTERPRETER_LOCK = threading.RLock()
 
 
 def interpreted(kernel):
@@ -104,5 +112,6 @@ def run_plan_numpy(plan: Plan, arrays: dict, runtime: dict | None = None) -> dic
         args = [resolve_scalar(a, runtime) if isinstance(a, Scalar) else HostArray(env[a])
                 for a in launch.args]
         args += [HostArray(env[o]) for o in launch.outputs]
-        interpreted(launch.kernel)[launch.grid](*args, **launch.constexprs)
+        with INTERPRETER_LOCK:
+            interpreted(launch.kernel)[launch.grid](*args, **launch.constexprs)
     return env

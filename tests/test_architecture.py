@@ -234,3 +234,85 @@ def test_cpu_path_independent_of_import_order():
     res = subprocess.run([sys.executable, "-c", _IMPORT_FIRST], env=env, cwd=repo,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+# ------------------------------------------------------------ interpreter thread safety
+_SHARD_MAP = """
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import core_kernels  # noqa: F401
+import numpy as np, jax
+from jax.sharding import Mesh, PartitionSpec as P
+try:
+    from jax import shard_map
+except ImportError:
+    from jax.experimental.shard_map import shard_map
+import adapters.jax as aj
+g = np.random.default_rng(0)
+b, h, d = 3, 8, 16
+q, k, v = (g.standard_normal((b, h, 1, d)).astype(np.float32) for _ in range(3))
+cache = g.standard_normal((5, h, d, d)).astype(np.float32)
+slope = g.uniform(0.1, 1, h).astype(np.float32)
+ids = np.array([4, -1, 1], np.int32)
+whole = aj.linear_decode_forward_triton(q, k, v, cache, slope, ids)
+mesh = Mesh(np.array(jax.devices()), ("h",))
+heads = P(None, "h")
+f = jax.jit(shard_map(aj.linear_decode_forward_triton, mesh=mesh,
+                      in_specs=(heads, heads, heads, heads, P("h"), P()), out_specs=(heads, heads)))
+for _ in range(3):
+    for a, w in zip(f(q, k, v, cache, slope, ids), whole):
+        assert np.array_equal(np.asarray(a), np.asarray(w)), "shard_map differs from the whole call"
+qp, kp, vp = (g.standard_normal((1, h, 40, d)).astype(np.float32) for _ in range(3))
+whole = aj.lightning_attention(qp, kp, vp, slope, 16)
+f = jax.jit(shard_map(lambda q, k, v, s: aj.lightning_attention(q, k, v, s, 16), mesh=mesh,
+                      in_specs=(heads, heads, heads, P("h")), out_specs=(heads, heads)))
+for a, w in zip(f(qp, kp, vp, slope), whole):
+    assert np.array_equal(np.asarray(a), np.asarray(w)), "shard_map prefill differs"
+print("ok")
+"""
+
+
+@pytest.mark.skipif(GPU, reason="the interpreter path (CPU machines)")
+def test_shard_map_on_cpu_devices():
+    """shard_map over heads on 4 host devices: XLA runs the shards' host callbacks
+    in parallel, and Triton's interpreter is not thread-safe (it broke or computed
+    wrong numbers); every interpreted launch holds core_kernels._interpret's lock."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    repo = pathlib.Path(core_kernels.__file__).parent.parent
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    res = subprocess.run([sys.executable, "-c", _SHARD_MAP], env=env, cwd=repo,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+@pytest.mark.skipif(GPU, reason="the interpreter path (CPU machines)")
+def test_torch_cpu_calls_from_threads():
+    """torch CPU tensors from several threads at once: each result equals the
+    single-threaded one, bit for bit."""
+    import threading
+    import torch
+    import adapters.torch as at
+    g = np.random.default_rng(1)
+    cases = []
+    for _ in range(4):
+        po, so = (torch.from_numpy(g.standard_normal((37, 3, 24)).astype(np.float32)) for _ in range(2))
+        pl, sl = (torch.from_numpy(g.standard_normal((3, 37)).astype(np.float32)) for _ in range(2))
+        cases.append((po, pl, so, sl))
+
+    def run(c):
+        out = torch.empty_like(c[0])
+        at.merge_attn_states(out, *c)
+        return out
+    expected = [run(c) for c in cases]
+    results = [None] * len(cases)
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(cases[i])))
+               for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got, want in zip(results, expected):
+        assert got is not None and torch.equal(got, want)

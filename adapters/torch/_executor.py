@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from core_kernels._interpret import interpreted
+from core_kernels._interpret import INTERPRETER_LOCK, interpreted
 from core_kernels._plan import ArrayInfo, Plan, Scalar
 from core_kernels._target import Target
 
@@ -126,7 +126,8 @@ def run_plan(plan: Plan, tensors: dict, runtime: dict | None = None,
                 if isinstance(a, Scalar) else env[a] for a in launch.args]
         args += [env[o] for o in launch.outputs]
         if interpret:
-            interpreted(launch.kernel)[launch.grid](*args, **launch.constexprs)
+            with INTERPRETER_LOCK:  # the interpreter is not thread-safe (core_kernels._interpret)
+                interpreted(launch.kernel)[launch.grid](*args, **launch.constexprs)
         elif switch:
             with torch.cuda.device(device):
                 _launch(launch, args, device.index)

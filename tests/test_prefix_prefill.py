@@ -17,6 +17,26 @@ from harness import (DEVICE, FLOAT_DTYPES, GPU, TOL, JaxAdapter, TorchAdapter,
 import adapters.torch as at
 
 GARBAGE_ID = 1 << 30  # an unused block-table slot: reading it would fault or read junk
+
+
+def block_table(g, cached, bs):
+    """(b_loc [B, max_blocks] int64, num_blocks, blocks used per sequence, stale
+    block ids) for sequences of ``cached`` cache tokens: permuted physical blocks
+    (``g``), two spare columns, and unused slots holding a stale block's id or
+    GARBAGE_ID (never to be read)."""
+    used = [-(-int(c) // bs) for c in cached]
+    max_blocks = max(used + [1]) + 2
+    num_blocks = sum(used) + 3
+    ids = g.permutation(num_blocks)
+    stale = ids[sum(used):]
+    b_loc = np.empty((len(used), max_blocks), np.int64)
+    pos = 0
+    for i, n in enumerate(used):
+        b_loc[i, :n] = ids[pos:pos + n]
+        pos += n
+        for j in range(n, max_blocks):
+            b_loc[i, j] = stale[j % len(stale)] if j % 2 else GARBAGE_ID
+    return b_loc, num_blocks, used, stale
 FP8_FORMATS = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
@@ -49,18 +69,7 @@ def make_case(seqs, hq=4, hkv=2, d=32, bs=16, x=8, dtype="float32", cache_fp8=No
     k = cast(g.standard_normal((t, hkv, d)), dtype)
     v = cast(g.standard_normal((t, hkv, d)), dtype)
     cached = ctxs + qlens if cache_new else ctxs   # tokens a query may read from the cache
-    used = [-(-int(c) // bs) for c in cached]
-    max_blocks = max(used + [1]) + 2
-    num_blocks = sum(used) + 3
-    ids = g.permutation(num_blocks)
-    stale = ids[sum(used):]
-    b_loc = np.empty((b, max_blocks), np.int64)
-    pos = 0
-    for i, n in enumerate(used):
-        b_loc[i, :n] = ids[pos:pos + n]
-        pos += n
-        for j in range(n, max_blocks):
-            b_loc[i, j] = stale[j % len(stale)] if j % 2 else GARBAGE_ID
+    b_loc, num_blocks, used, stale = block_table(g, cached, bs)
     cdt = cache_fp8 or dtype
     scale = 2.0 if cache_fp8 else 1.0
     kc = cast(g.standard_normal((num_blocks, hkv, d // x, bs, x)) * scale, cdt)

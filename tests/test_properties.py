@@ -220,7 +220,7 @@ def test_merge_attn_states_property(c):
 
 
 # ------------------------------------------------------------------ context_attention_fwd
-GARBAGE_ID = 1 << 30       # an unused block-table slot: reading it would fault or read junk
+from test_prefix_prefill import block_table  # noqa: E402  (the same paged-cache layout)
 PP_HEAD_SIZES = [4, 8, 12, 16, 24, 32, 40, 64, 80] + ([96, 128, 256] if GPU else [])
 
 
@@ -287,18 +287,7 @@ def prefix_inputs(c):
     ctxs = np.array([s[1] for s in c["seqs"]], np.int64)
     t, b = int(qlens.sum()), len(qlens)
     cached = ctxs + qlens if c["cache_new"] else ctxs
-    used = [-(-int(n) // bs) for n in cached]
-    max_blocks = max(used + [1]) + 2
-    num_blocks = sum(used) + 3
-    ids = g.permutation(num_blocks)
-    stale = ids[sum(used):]
-    b_loc = np.empty((b, max_blocks), np.int64)
-    pos = 0
-    for i, n in enumerate(used):
-        b_loc[i, :n] = ids[pos:pos + n]
-        pos += n
-        for j in range(n, max_blocks):
-            b_loc[i, j] = stale[j % len(stale)] if j % 2 else GARBAGE_ID
+    b_loc, num_blocks, used, stale = block_table(g, cached, bs)
     cdt = c["cache_fmt"] or dtype
     amp = 2.0 if c["cache_fmt"] else 1.0
     kc = cast(g.standard_normal((num_blocks, hkv, d // x, bs, x)) * amp, cdt)

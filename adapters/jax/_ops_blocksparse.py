@@ -9,7 +9,7 @@ import numpy as np
 
 from core_kernels import _index_check
 from core_kernels._plan import as_float, as_int
-from core_kernels.blocksparse_attention import (active_heads, build_sparse_layout,
+from core_kernels.blocksparse_attention import (build_sparse_layout, local_strided_pattern,
                                                 get_head_sliding_step,
                                                 plan_blocksparse_attention, vllm_sparse_attn_mask)
 
@@ -118,12 +118,7 @@ class LocalStridedBlockSparseAttn:
         self.dense_attn_mask = self.get_attn_pattern(self.dtype, device)[2] if self.use_spda else None
 
     def _attn_pattern(self, dtype, device, return_dense):
-        layout, pattern, dense = get_sparse_attn_mask(
-            self.n_heads, self.max_seqlen, self.max_seqlen, dtype, device, block_size=self.block_size,
-            local_blocks=self.local_blocks, vert_stride=self.vert_stride, homo_head=self.homo_head,
-            return_dense=return_dense, dense_mask_type="bias")
-        layout, dense = active_heads(layout, dense, self.homo_head, self.active_head_range)
-        return layout, pattern, dense
+        return local_strided_pattern(get_sparse_attn_mask, self, dtype, device, return_dense)
 
     def get_attn_pattern(self, dtype, device):
         """vLLM's: (sparse_layout CSR, block pattern, dense bias mask or None (built

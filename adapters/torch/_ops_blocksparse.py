@@ -10,7 +10,7 @@ import torch
 
 from core_kernels import _index_check
 from core_kernels._plan import as_float, as_int, decode_config, encode_config
-from core_kernels.blocksparse_attention import (active_heads, build_sparse_layout,
+from core_kernels.blocksparse_attention import (build_sparse_layout, local_strided_pattern,
                                                 get_head_sliding_step,
                                                 plan_blocksparse_attention, vllm_sparse_attn_mask)
 
@@ -201,12 +201,7 @@ class LocalStridedBlockSparseAttn(torch.nn.Module):
         return self.crow, self.col
 
     def _attn_pattern(self, dtype, device, return_dense):
-        layout, pattern, dense = get_sparse_attn_mask(
-            self.n_heads, self.max_seqlen, self.max_seqlen, dtype, device, block_size=self.block_size,
-            local_blocks=self.local_blocks, vert_stride=self.vert_stride, homo_head=self.homo_head,
-            return_dense=return_dense, dense_mask_type="bias")
-        layout, dense = active_heads(layout, dense, self.homo_head, self.active_head_range)
-        return layout, pattern, dense
+        return local_strided_pattern(get_sparse_attn_mask, self, dtype, device, return_dense)
 
     def get_attn_pattern(self, dtype, device):
         """vLLM's: (sparse_layout (int64 CSR), block pattern, dense bias mask or None

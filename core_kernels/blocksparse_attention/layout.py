@@ -147,3 +147,17 @@ def active_heads(layout, dense, homo_head: bool, active_head_range):
         return layout, dense
     h0, h1 = active_head_range
     return tuple(x[h0:h1] for x in layout), None if dense is None else dense[h0:h1]
+
+
+def local_strided_pattern(get_sparse_attn_mask, attn, dtype, device, return_dense: bool):
+    """vLLM's LocalStridedBlockSparseAttn.get_attn_pattern, written once for both
+    adapters: ``get_sparse_attn_mask`` is the adapter's vLLM-shaped builder, ``attn``
+    the module (n_heads, max_seqlen, block_size, local_blocks, vert_stride,
+    homo_head, active_head_range). Returns (layout, block pattern, dense bias
+    mask or None), heads cut to active_head_range unless homo_head."""
+    layout, pattern, dense = get_sparse_attn_mask(
+        attn.n_heads, attn.max_seqlen, attn.max_seqlen, dtype, device, block_size=attn.block_size,
+        local_blocks=attn.local_blocks, vert_stride=attn.vert_stride, homo_head=attn.homo_head,
+        return_dense=return_dense, dense_mask_type="bias")
+    layout, dense = active_heads(layout, dense, attn.homo_head, attn.active_head_range)
+    return layout, pattern, dense

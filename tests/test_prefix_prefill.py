@@ -862,6 +862,37 @@ def test_gpu_vllm033_real_sizes(dtype, kv, options):
         assert_bitwise_equal(t, a, f"block addresses vs ids {options} {kv} config={config}")
 
 
+# The cache layouts x tilings of a miscompile found on the H200 (x = 1 K cache,
+# interleaved V of pack factor 1, packed GQA heads; see the ID_RUN NOTE in
+# core_kernels/prefix_prefill/plan.py): every K layout (x = 1: the K tile is
+# contiguous along the keys; x = 8: along D) with every V layout (standard,
+# pack factor 1 and 8), 16-bit and fp8 caches, packed and unpacked heads, on
+# the planner's tiles and forced paged tilings of one and three stages.
+LAYOUT_SEQS = [(12, 158), (31, 0), (0, 0), (70, 97)]
+LAYOUT_CONFIGS = (None, PrefixPrefillConfig(64, 64, num_stages=1, gather=False),
+                  PrefixPrefillConfig(128, 64, 4, 3, gather=False))
+
+
+@requires_gpu
+@pytest.mark.parametrize("kv", [None, "fp8"], ids=str)
+@pytest.mark.parametrize("x", [1, 8])
+@pytest.mark.parametrize("v_pack", [0, 1, 8])
+@pytest.mark.parametrize("hq,hkv", [(2, 1), (1, 1)])
+@pytest.mark.parametrize("d", [24, 64])
+def test_gpu_cache_layout_matrix(kv, x, v_pack, hq, hkv, d):
+    if d % x:
+        pytest.skip("x must divide D")
+    opts = dict(sm_scale=0.05, skip_decode=True, interleaved_v_pack_factor=v_pack)
+    case = no_kv(make_case(LAYOUT_SEQS, hq, hkv, d, 32, x, "bfloat16",
+                           cache_fp8="float8_e4m3fn" if kv else None, cache_new=True, v_pack=v_pack))
+    if kv:
+        opts.update(k_scale=0.5, v_scale=1.5)
+    ref = reference(case, **opts)
+    for config in LAYOUT_CONFIGS:
+        t = TestTorch().attention(case, config=config, **opts)
+        check(t, ref, "bfloat16", f"torch kv={kv} x={x} v_pack={v_pack} hq={hq} d={d} config={config}")
+
+
 def test_gpu_vllm033_plans_build():
     """The GPU-only vLLM 0.33 tests' plans build for sm_90 (gathered and paged)."""
     for dtype, kv in GPU_VLLM033_KV:

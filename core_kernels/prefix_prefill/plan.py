@@ -422,6 +422,22 @@ def _gather_launch(p: _Problem) -> Launch:
         num_warps=4, num_stages=1)
 
 
+def _id_run(p: _Problem, config: PrefixPrefillConfig) -> int:
+    """The kernel's ID_RUN: the block ids of a key tile are constant over
+    aligned runs of this many tokens (a compiler hint)."""
+    # NOTE: the hint lets tiles that are contiguous along the keys (V in the
+    # standard layout, K with x = 1) load 16-byte vectors. With an interleaved
+    # V of pack factor 1 ([num_blocks, Hkv, block_size, D]: V contiguous along
+    # D), x = 1 and packed GQA heads, Triton 3.6 miscompiles the kernel although
+    # the hint is true (H200, 2026-11-24; BLOCK_M = BLOCK_N = 64, block 32,
+    # D 24: output off by 0.2-0.6 with one stage, an illegal shared-memory
+    # access with two or three; tools/repro_prefix_fault.py). The same tiles
+    # are right with pack factor 8, the standard V layout, x = 8 or BLOCK_N 32
+    # (test_gpu_cache_layout_matrix). Without the hint only the x = 1 K tile
+    # of that V layout loses its vector loads, so it is dropped there.
+    return 1 if p.v_pack == 1 else math.gcd(config.block_n, p.block_size)
+
+
 def _attention_launch(p: _Problem, config: PrefixPrefillConfig, pack: int) -> Launch:
     dense = config.gather
     return Launch(
@@ -439,7 +455,7 @@ def _attention_launch(p: _Problem, config: PrefixPrefillConfig, pack: int) -> La
         constexprs=dict(
             QK_SCALE2=float(np.float32(p.scale * LOG2E)), HEAD_D=p.d, BLOCK_D=p.block_d,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, CACHE_BLOCK=p.block_size, X=p.x,
-            ID_RUN=math.gcd(config.block_n, p.block_size), GROUP=p.group, PACK=pack,
+            ID_RUN=_id_run(p, config), GROUP=p.group, PACK=pack,
             PREFETCH_IDS=int(config.prefetch_ids), CACHE_DENSE=dense, OFFS32=p.offs32,
             NUM_KV_HEADS=p.hkv, KV_FP8=p.fp8 is not None, FP8_E5M2=p.fp8 == "float8_e5m2",
             HAS_ALIBI=p.alibi, HAS_WINDOW=p.window > 0, WINDOW=p.window, HAS_SINKS=p.sinks,

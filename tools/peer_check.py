@@ -15,8 +15,8 @@ tool assembles .peer/shim/<impl>/ (see tools/peer_check_shim/README.md):
     chunked_prefill_paged_decode.py is vLLM's file bound to our context_attention_fwd;
   - --impl vllm: vLLM's own files from .peer/vllm_src/vllm/;
   - vLLM's test files (unmodified) under tests/, and our conftest.py.
-Each test file runs in its own pytest process (-p no:cacheprovider) with a
-timeout; the JSON summary goes to --out (default $OUT/peer_check.json when $OUT
+Each test file runs in its own pytest process (-p no:cacheprovider; --jobs n:
+n processes side by side, each taking every n-th test) with a timeout; the JSON summary goes to --out (default $OUT/peer_check.json when $OUT
 is set, else .peer/peer_check.json).
 """
 from __future__ import annotations
@@ -147,10 +147,10 @@ def build_shim(impl: str, peer: Path) -> Path:
 
 # --------------------------------------------------------------------------- running
 def run_file(impl: str, key: str, root: Path, args, log_dir: Path) -> dict:
+    """Run one vLLM test file in args.jobs pytest processes side by side (each
+    takes every jobs-th test, PEER_CHECK_SHARD); one summary of them all."""
     test = TEST_FILES[key]
-    results_path = log_dir / f"{key}.{impl}.jsonl"
-    log_path = log_dir / f"{key}.{impl}.log"
-    results_path.unlink(missing_ok=True)
+    jobs = max(1, args.jobs)
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-c", str(root / "pytest.ini"),
            "--rootdir", str(root), "-q", "-rN", "--no-header", test]
     if args.collect_only:
@@ -158,30 +158,46 @@ def run_file(impl: str, key: str, root: Path, args, log_dir: Path) -> dict:
     if args.k:
         cmd += ["-k", args.k]
     cmd += args.pytest_args
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(root), str(REPO)] +
-                                        ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env["PEER_CHECK_IMPL"] = impl
-    env["PEER_CHECK_RESULTS"] = str(results_path)
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
     t0 = time.time()
-    timed_out = False
-    with open(log_path, "w", encoding="utf-8") as log:
-        log.write(f"$ {' '.join(cmd)}\n(cwd {root}, impl {impl})\n")
+    procs = []
+    for i in range(jobs):
+        tag = f"{key}.{impl}" + (f".{i}" if jobs > 1 else "")
+        results_path, log_path = log_dir / f"{tag}.jsonl", log_dir / f"{tag}.log"
+        results_path.unlink(missing_ok=True)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(root), str(REPO)] +
+                                            ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        env["PEER_CHECK_IMPL"] = impl
+        env["PEER_CHECK_RESULTS"] = str(results_path)
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        if jobs > 1:
+            env["PEER_CHECK_SHARD"] = f"{i}/{jobs}"
+            # NOTE: one CPU thread per process: the tests' host work (torch CPU
+            # references) is threaded, and 14 processes of 16 threads each on 16
+            # cores took 45-50 s per chunked_prefill_paged_decode case instead of
+            # about 5 s (H200 machine, 2026-11-24)
+            env.setdefault("OMP_NUM_THREADS", "1")
+        log = open(log_path, "w", encoding="utf-8")
+        log.write(f"$ {' '.join(cmd)}\n(cwd {root}, impl {impl}, shard {i}/{jobs})\n")
         log.flush()
         proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
+        procs.append((proc, log, results_path, log_path))
+    rcs, timed_out = [], False
+    for proc, log, _, _ in procs:
         try:
-            rc = proc.wait(timeout=args.timeout)
+            rcs.append(proc.wait(timeout=max(1.0, args.timeout - (time.time() - t0))))
         except subprocess.TimeoutExpired:
             timed_out = True
             os.killpg(proc.pid, signal.SIGKILL)   # the pytest process group this call started
-            rc = proc.wait()
-    summary = summarize(results_path, impl)
+            rcs.append(proc.wait())
+        log.close()
+    summary = summarize([r for _, _, r, _ in procs], impl)
+    rc = next((r for r in rcs if r not in (0, 5)), rcs[0])
     summary.update(file=test, rc=rc, timed_out=timed_out, duration_s=round(time.time() - t0, 1),
-                   log=str(log_path))
+                   jobs=jobs, log=[str(lp) for _, _, _, lp in procs])
     if rc not in (0, 1, 5) and not timed_out and not summary["collect_errors"]:
-        summary["log_tail"] = log_path.read_text(errors="replace").splitlines()[-15:]
+        summary["log_tail"] = procs[rcs.index(rc)][3].read_text(errors="replace").splitlines()[-15:]
     return summary
 
 
@@ -193,19 +209,22 @@ def _skip_category(reason: str) -> str:
     return "other"
 
 
-def summarize(results_path: Path, impl: str) -> dict:
+def summarize(results_paths: list[Path], impl: str) -> dict:
     collected: list[str] = []
     collect_errors = []
     phases: dict[str, list[dict]] = {}
-    if results_path.exists():
+    for results_path in results_paths:
+        if not results_path.exists():
+            continue
         for line in results_path.read_text(encoding="utf-8").splitlines():
             if not line.strip():
                 continue
             rec = json.loads(line)
             if rec["event"] == "collected":
-                collected = rec["nodeids"]
+                collected += rec["nodeids"]
             elif rec["event"] == "collect_error":
-                collect_errors.append({"nodeid": rec["nodeid"], "first_line": rec["message"]})
+                if all(e["nodeid"] != rec["nodeid"] for e in collect_errors):   # once, not per shard
+                    collect_errors.append({"nodeid": rec["nodeid"], "first_line": rec["message"]})
             elif rec["event"] == "report":
                 phases.setdefault(rec["nodeid"], []).append(rec)
     outcomes: dict[str, str] = {}
@@ -306,6 +325,9 @@ def main(argv=None) -> int:
                    help=f"comma-separated subset of {','.join(TEST_FILES)}")
     p.add_argument("-k", default=None, help="pytest -k expression, passed through")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per test file (default 600)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="pytest processes per test file, run side by side (each takes every "
+                        "jobs-th test; default 1)")
     p.add_argument("--out", default=None, help="JSON summary path (default $OUT/peer_check.json "
                    "if $OUT is set, else .peer/peer_check.json)")
     p.add_argument("--peer-dir", default=str(REPO / ".peer"), help="where vLLM's files are (default .peer)")

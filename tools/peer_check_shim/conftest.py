@@ -32,6 +32,14 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    # $PEER_CHECK_SHARD = "i/n": this process runs every n-th test from the i-th
+    # (tools/peer_check.py --jobs n runs the n shards side by side)
+    shard = os.environ.get("PEER_CHECK_SHARD")
+    if shard:
+        i, n = (int(s) for s in shard.split("/"))
+        keep = [it for k, it in enumerate(items) if k % n == i]
+        config.hook.pytest_deselected(items=[it for k, it in enumerate(items) if k % n != i])
+        items[:] = keep
     if config.getoption("--optional"):
         return
     skip_optional = pytest.mark.skip(reason="need --optional option to run")

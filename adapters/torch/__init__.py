@@ -14,3 +14,7 @@ __all__ += ["lightning_attention", "linear_decode_forward_triton"]
 from ._ops_lightning_varlen import lightning_attention_varlen
 
 __all__ += ["lightning_attention_varlen"]
+
+from . import _dtensor
+
+_dtensor.install()  # DTensor sharding rules, registered once torch.distributed.tensor is imported

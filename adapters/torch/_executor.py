@@ -59,6 +59,11 @@ def check_devices(**tensors) -> torch.device:
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if type(t) is not torch.Tensor and type(t).__torch_dispatch__ is not \
+                torch.Tensor.__torch_dispatch__:  # reached only when the first argument is plain
+            raise TypeError(f"{name}: a {type(t).__name__} (a tensor subclass such as DTensor) "
+                            "mixed with plain tensors; pass the same kind for every tensor "
+                            "argument, the first included")
         if device is None:
             device, first = t.device, name
         elif t.device != device:

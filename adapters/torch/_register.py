@@ -86,7 +86,11 @@ def custom_op(name: str, impl, mutates_args=(), fake=None, autograd=None):
     Tensor = torch.Tensor
 
     def call(*args):
-        if is_compiling():
+        a0 = args[0] if args else None
+        # a tensor subclass (DTensor, ...) dispatches through the op: its
+        # __torch_dispatch__ runs the op on plain (local) tensors, which the
+        # kernels need. Every op's first argument is a tensor.
+        if is_compiling() or (type(a0) is not Tensor and isinstance(a0, Tensor)):
             if not has_backward and grad_enabled() and _any_requires_grad_py(*args):
                 raise no_backward_error(name)
             return op(*args)  # the dispatcher bumps versions (and records a backward)

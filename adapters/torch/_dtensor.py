@@ -1,0 +1,289 @@
+"""torch DTensor sharding rules for every custom op, derived from core_kernels.op_axes.
+
+One generic function turns an op's ``OpAxes`` into the strategies DTensor may
+pick (``torch.distributed.tensor.experimental.register_sharding``), for one mesh
+dimension (DTensor expands them over the mesh):
+
+- Replicate everything (always valid);
+- for each label the op is independent along (with the optional arguments that
+  are present, ``OpAxes.independent_along``) and that splits evenly over the
+  mesh (``OpAxes.shards``, with the mesh's size: a split of the heads must be a
+  split of the kv heads, and ``linear_decode``'s [B, H * E] output must split on
+  head boundaries): Shard(d) on every array's dimension d carrying that label or
+  its GQA group (``kv_heads``), Replicate on the others.
+
+Arguments the op writes in place follow their input: they are never
+redistributed, since the op would write a temporary copy (a silent wrong
+result). Their placement picks the strategy; a placement no strategy keeps is a
+ValueError naming the argument. Everything else DTensor redistributes to the
+cheapest strategy (a head_dim split is gathered, a Partial reduced).
+
+Registration is lazy: importing torch.distributed.tensor costs ~0.6 s, so when
+it is not imported yet, an import hook registers the rules right after it is
+(``register()`` may also be called directly). Nothing here runs, or fails, when
+torch.distributed is unavailable.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+import threading
+import warnings
+
+import torch
+
+from core_kernels import op_axes
+
+from ._register import NAMESPACE, OPS
+
+# torch op name -> OpAxes name, where one OpAxes describes two torch ops
+_OP_NAMES = {"lightning_attention_varlen_cache": "lightning_attention_varlen"}
+# torch argument name -> OpAxes argument name, where the torch signature renames one
+_ARG_NAMES = {
+    "merge_attn_states": {"prefill_tokens_with_context_tensor": "prefill_tokens_with_context"},
+    "context_attention_fwd": {"o": "output"},
+}
+# flags under which a tensor holds device addresses of another tensor's storage: a
+# redistributed copy (or a local shard) lives elsewhere, so such a call runs only on
+# arrays that are replicated already (then DTensor copies nothing)
+_ADDRESS_FLAGS = {"context_attention_fwd": ("is_block_table_ptr",)}
+
+_lock = threading.Lock()
+_registered = False
+
+
+def _align(labels, shape, extents=None):
+    """The label of each dimension of an array of ``shape`` described by ``labels``,
+    or None where they do not line up. An array may carry singleton dimensions the
+    description omits (``ed`` as [H, 1, 1] or [1, H, 1, 1]): the labels then go to
+    the non-singleton dimensions in order."""
+    if len(shape) == len(labels):
+        return tuple(labels)
+    big = [d for d, n in enumerate(shape) if n != 1]
+    if len(big) != len(labels):
+        return None
+    out = [None] * len(shape)
+    for d, lab in zip(big, labels):
+        out[d] = lab
+    return tuple(out)
+
+
+def _is_shard(p):
+    from torch.distributed.tensor import Shard
+    return type(p) is Shard
+
+
+def op_strategies(name: str, axes: op_axes.OpAxes, schema, mutated, args, kwargs):
+    """The single-mesh-dim strategies of one call: a list of (output placements,
+    input placements) as ``register_sharding`` expects, from ``axes`` alone.
+    ``args``/``kwargs`` hold the call's arguments, DTensorSpecs for tensors."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    names = [a.name for a in schema.arguments]
+    values = dict(zip(names, args))
+    values.update(kwargs)
+    order = names[:len(args)] + list(kwargs)  # DTensor's order: positional, then keywords
+    renamed = _ARG_NAMES.get(name, {})
+    specs = {n: v for n, v in values.items() if isinstance(v, DTensorSpec)}
+    present = {renamed.get(n, n) for n, v in values.items() if v is not None}
+    mesh = next(iter(specs.values())).mesh
+    parts = mesh.size()
+
+    # label of each dimension of each tensor argument (None: cannot be split)
+    dims, unmapped, unaligned = {}, [], {}
+    for n, spec in specs.items():
+        n_axes = renamed.get(n, n)  # an array written in place may be described as a result
+        labels = axes.inputs.get(n_axes, axes.outputs.get(n_axes))
+        if labels is None:
+            unmapped.append(n)
+            continue
+        aligned = _align(labels, spec.shape)
+        if aligned is None:
+            unaligned[n] = labels
+        else:
+            dims[n] = aligned
+    extents: dict[str, set] = {}
+    for n, labs in dims.items():
+        for lab, size in zip(labs, specs[n].shape):
+            if lab is not None:
+                extents.setdefault(lab, set()).add(int(size))
+    sizes, why_not = {}, {}
+    for lab, ext in extents.items():
+        big = ext - {1}
+        if len(big) > 1:
+            why_not[lab] = f"the arrays disagree on its extent {sorted(ext)}"
+        sizes[lab] = max(ext)
+    # an array whose labels cannot be placed on its dimensions may be replicated
+    # along a label only where no dimension of it has that label's extent
+    for n, labels in unaligned.items():
+        for lab in labels:
+            if lab is not None and lab in sizes and sizes[lab] > 1 and sizes[lab] in specs[n].shape:
+                why_not.setdefault(lab, f"{n} {tuple(specs[n].shape)} does not match {labels}")
+
+    written = {renamed.get(n, n) for n in mutated}
+    returns = [o for o in axes.outputs if o not in axes.inputs and o not in written]
+    returns = returns[:len(schema.returns)]
+    if len(returns) < len(schema.returns):
+        unmapped.append("<results>")
+
+    def strategy(label):
+        group = axes.groups.get(label)
+        def place(labs, n=None):
+            if labs is None:
+                return Replicate()
+            for d, lab in enumerate(labs):
+                if lab is not None and lab in (label, group) and (n is None or specs[n].shape[d] > 1):
+                    return Shard(d)
+            return Replicate()
+        outs = [place(axes.outputs[o]) if label else Replicate() for o in returns]
+        ins = [None if n not in specs else place(dims.get(n), n) if label else Replicate()
+               for n in order]
+        return outs, ins
+
+    candidates = {None: strategy(None)}
+    if not unmapped:
+        for label in axes.independent:
+            if label not in sizes:
+                continue
+            if not axes.independent_along(label, present):
+                why_not[label] = "the op reads across it with " + ", ".join(
+                    a for a in axes.conditional.get(label, ()) if a in present)
+            elif label not in why_not:
+                reason = axes.shards(label, sizes, parts)
+                if reason is None:
+                    candidates[label] = strategy(label)
+                else:
+                    why_not[label] = reason
+
+    flags = [f for f in _ADDRESS_FLAGS.get(name, ()) if values.get(f)]
+    if flags:
+        moved = [n for n, s in specs.items() if not s.is_replicated()]
+        if moved:
+            raise ValueError(f"{NAMESPACE}::{name}: with {flags[0]}=True the index tensors hold "
+                             f"device addresses, which a shard or a redistributed copy does not "
+                             f"keep: {moved[0]} must be a Replicate DTensor, got "
+                             f"{specs[moved[0]].placements}")
+        return [candidates[None]]
+    if not mutated:
+        return list(candidates.values())
+    return _in_place(name, mesh, order, specs, mutated, candidates, why_not)
+
+
+def _in_place(name, mesh, order, specs, mutated, candidates, why_not):
+    """Strategies that leave the arguments written in place where they are."""
+    written = [n for n in mutated if n in specs]
+    if not written:
+        return list(candidates.values())
+    index = {n: order.index(n) for n in specs}
+    chosen = []
+    for dim in range(mesh.ndim):
+        want = {n: specs[n].placements[dim] for n in written}
+        match = [lab for lab, (_, ins) in candidates.items()
+                 if all(ins[index[n]] == p for n, p in want.items())]
+        if not match:
+            alone = [n for n in written
+                     if not any(ins[index[n]] == want[n] for _, ins in candidates.values())]
+            n = (alone or written)[0]
+            p = want[n]
+            hint = f" (dimension {p.dim} of {tuple(specs[n].shape)})" if _is_shard(p) else ""
+            reasons = "; ".join(f"{lab}: {r}" for lab, r in why_not.items())
+            raise ValueError(
+                f"{NAMESPACE}::{name}: {n} is written in place and cannot be redistributed, but "
+                f"its placement {p}{hint} on mesh dimension {dim} is not one the op can compute "
+                f"locally (with {', '.join(written)} placed "
+                f"{', '.join(str(want[w]) for w in written)}); it can shard along "
+                f"{[lab for lab in candidates if lab] or 'nothing'}"
+                + (f" ({reasons})" if reasons else "") + ". Redistribute it first.")
+        chosen.append(match[0])
+    if len(set(chosen)) == 1:
+        return [candidates[chosen[0]]]
+    # per mesh dimension a different strategy: DTensor expands every combination;
+    # the one that keeps the written arguments is the only one free of
+    # redistribution only when every argument already has its placement
+    for n, spec in specs.items():
+        target = tuple(candidates[lab][1][index[n]] for lab in chosen)
+        if tuple(spec.placements) != target:
+            raise ValueError(
+                f"{NAMESPACE}::{name}: {n} has placements {tuple(spec.placements)}; with the "
+                f"arguments written in place placed {tuple(specs[written[0]].placements)} it "
+                f"must be {target} (redistribute it first)")
+    return [candidates[lab] for lab in dict.fromkeys(chosen)]
+
+
+def unsupported_arguments(name: str) -> list[str]:
+    """Tensor arguments of a registered op that its OpAxes does not describe
+    (such a call is replicated only); empty when the description is complete."""
+    axes = op_axes.OPS.get(_OP_NAMES.get(name, name))
+    schema = OPS[name].op._opoverload._schema
+    renamed = _ARG_NAMES.get(name, {})
+    if axes is None:
+        return ["<op>"]
+    return [a.name for a in schema.arguments
+            if "Tensor" in str(a.type) and renamed.get(a.name, a.name) not in axes.inputs
+            and renamed.get(a.name, a.name) not in axes.outputs]
+
+
+def register() -> bool:
+    """Register the sharding rules of every op with DTensor (idempotent). Returns
+    False where torch.distributed is unavailable."""
+    global _registered
+    with _lock:
+        if _registered:
+            return True
+        if not torch.distributed.is_available():
+            return False
+        from torch.distributed.tensor.experimental import register_sharding
+        for name, call in OPS.items():
+            axes = op_axes.OPS.get(_OP_NAMES.get(name, name))
+            if axes is None:  # an op no OpAxes describes: DTensor refuses it (NotImplementedError)
+                continue
+            overload = call.op._opoverload
+            schema, mutated = overload._schema, call.mutates_args
+
+            def rule(*args, _n=name, _a=axes, _s=schema, _m=mutated, **kwargs):
+                return op_strategies(_n, _a, _s, _m, args, kwargs)
+            register_sharding(overload)(rule)
+        _registered = True
+        return True
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``register()`` right after torch.distributed.tensor is imported."""
+    target = "torch.distributed.tensor"
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.target:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def run(module):
+            exec_module(module)
+            try:
+                register()
+            except Exception as e:  # never break the user's import
+                warnings.warn(f"{NAMESPACE}: DTensor sharding rules not registered: {e!r}")
+        spec.loader.exec_module = run
+        return spec
+
+
+def install() -> None:
+    """At import of adapters.torch: register now if DTensor is loaded, else on its import."""
+    try:
+        if not torch.distributed.is_available():
+            return
+    except Exception:
+        return
+    if _RegisterAfterImport.target in sys.modules:
+        try:
+            register()
+        except Exception as e:
+            warnings.warn(f"{NAMESPACE}: DTensor sharding rules not registered: {e!r}")
+    elif not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterAfterImport())

@@ -1,0 +1,158 @@
+"""Which axes of each op's arrays are independent: the one framework-free
+description that both adapters derive their composability rules from (JAX
+vmap folding and SPMD sharding, torch DTensor sharding). No framework imports.
+
+Each array argument or result is described by one label per dimension:
+
+- ``"batch"``    sequences of a padded batch (lightning prefill's B);
+- ``"heads"``    query / output heads;
+- ``"kv_heads"`` key / value heads: query head h reads kv head h // (Hq // Hkv),
+  so a split of the heads into S equal blocks is a split of the kv heads into
+  S equal blocks when S divides Hkv (``OpAxes.groups``);
+- ``"tokens"``   packed tokens (independent only where ``OpAxes.independent``
+  says so, e.g. merge without ``prefill_tokens_with_context``);
+- ``None``       an axis the op reads across (head size, sequence length, cache
+  blocks and slots, index arrays): never split, never a fold target.
+
+An op is independent along a label when computing it on a slice of every
+array along that label (the slices aligned) gives the slice of the result: the
+arrays may be split (sharding) or stacked (vmap) along it. ``fold`` names, in
+order of preference, the labels a vmapped axis can be folded into so that one
+launch computes every example: stack the examples along that label (reshape,
+with a transpose where the label is not next to the vmapped axis).
+``unbatchable`` lists arguments that cannot differ between the examples of one
+launch (host values, or device scalars that apply to the whole launch); a
+vmapped one needs the op's own rule (see each adapter).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+Labels = tuple[Optional[str], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpAxes:
+    name: str
+    inputs: dict[str, Labels]             # argument name -> label per dimension
+    outputs: dict[str, Labels]            # result name -> label per dimension
+    independent: tuple[str, ...]          # labels the op is independent along
+    groups: dict[str, str] = dataclasses.field(default_factory=dict)   # "heads" -> "kv_heads"
+    fold: tuple[str, ...] = ()            # vmap: labels to fold a batched axis into
+    unbatchable: tuple[str, ...] = ()     # arguments one launch shares across examples
+    conditional: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    # label -> arguments whose presence makes the op dependent along it
+
+    def labels(self, name: str) -> Labels:
+        return self.inputs[name] if name in self.inputs else self.outputs[name]
+
+    def independent_along(self, label: str, present=()) -> bool:
+        """Whether the op is independent along ``label`` with the optional
+        arguments ``present`` given."""
+        if label not in self.independent:
+            return False
+        return not any(a in present for a in self.conditional.get(label, ()))
+
+    def shards(self, label: str, sizes: dict[str, int], parts: int) -> Optional[str]:
+        """None if every array can be split into ``parts`` equal blocks along
+        ``label`` (sizes: label -> extent), else why not (for an error message)."""
+        for lab in (label, self.groups.get(label)):
+            if lab is None or lab not in sizes:
+                continue
+            if sizes[lab] % parts:
+                return f"{lab} ({sizes[lab]}) is not a multiple of the {parts} shards"
+        return None
+
+
+_TOK_H_D = ("tokens", "heads", None)
+_TOK_KVH_D = ("tokens", "kv_heads", None)
+
+MERGE_ATTN_STATES = OpAxes(
+    "merge_attn_states",
+    inputs={"prefix_output": _TOK_H_D, "prefix_lse": ("heads", "tokens"),
+            "suffix_output": _TOK_H_D, "suffix_lse": ("heads", "tokens"),
+            "prefill_tokens_with_context": (None,), "output_scale": (None,)},
+    outputs={"output": _TOK_H_D, "output_lse": ("heads", "tokens")},
+    independent=("heads", "tokens"),
+    # tokens t >= prefill_tokens_with_context copy the suffix: a global token index
+    conditional={"tokens": ("prefill_tokens_with_context",)},
+    fold=("heads", "tokens"),
+    unbatchable=("prefill_tokens_with_context", "output_scale"),
+)
+
+MASK_EMPTY_CONTEXT_LSE = OpAxes(
+    "mask_empty_context_lse",
+    inputs={"lse": ("heads", None), "query_start_loc": (None,), "context_start_loc": (None,)},
+    outputs={"lse": ("heads", None)},
+    independent=("heads",),
+    fold=("heads",),
+    unbatchable=("query_start_loc", "context_start_loc"),
+)
+
+LIGHTNING_ATTENTION = OpAxes(
+    "lightning_attention",
+    inputs={"q": ("batch", "heads", None, None), "k": ("batch", "heads", None, None),
+            "v": ("batch", "heads", None, None), "ed": ("heads",),
+            "kv_history": ("batch", "heads", None, None)},
+    outputs={"output": ("batch", "heads", None, None),
+             "kv": ("batch", "heads", None, None, None)},   # [B, H, D, E] when final only
+    independent=("batch", "heads"),
+    fold=("batch", "heads"),     # heads when ed differs between the examples
+)
+
+LINEAR_DECODE = OpAxes(
+    "linear_decode_forward_triton",
+    inputs={"q": (None, "heads", None, None), "k": (None, "heads", None, None),
+            "v": (None, "heads", None, None), "kv_caches": (None, "heads", None, None),
+            "slope_rate": ("heads",), "slot_idx": (None,)},
+    # output [B, H * E]: head h owns columns h * E .. (h + 1) * E - 1
+    outputs={"output": (None, "heads"), "kv_caches": (None, "heads", None, None)},
+    independent=("heads",),
+    fold=("heads",),
+    unbatchable=("slot_idx",),
+)
+
+LIGHTNING_VARLEN = OpAxes(
+    "lightning_attention_varlen",
+    inputs={"q": (None, "heads", None), "k": (None, "heads", None), "v": (None, "heads", None),
+            "ed": ("heads",), "cu_seqlens": (None,), "kv_cache": (None, "heads", None, None),
+            "slot_idx": (None,)},
+    outputs={"output": (None, "heads", None), "kv": (None, "heads", None, None)},
+    independent=("heads",),
+    fold=("heads",),
+    unbatchable=("cu_seqlens", "slot_idx"),
+)
+
+BLOCKSPARSE_VARLEN = OpAxes(
+    "blocksparse_flash_attn_varlen_fwd",
+    inputs={"q": _TOK_H_D, "k": _TOK_KVH_D, "v": _TOK_KVH_D,
+            "cu_seqlens_k": (None,), "cu_seqlens_q": (None,),
+            # layout heads: 1 (homo_head) or one per query head
+            "crow": ("heads", None), "col": ("heads", None)},
+    outputs={"output": _TOK_H_D},
+    independent=("heads",),
+    groups={"heads": "kv_heads"},
+    fold=("heads",),
+    unbatchable=("cu_seqlens_k", "cu_seqlens_q"),
+)
+
+CONTEXT_ATTENTION_FWD = OpAxes(
+    "context_attention_fwd",
+    inputs={"q": _TOK_H_D, "k": _TOK_KVH_D, "v": _TOK_KVH_D,
+            "k_cache": (None, "kv_heads", None, None, None), "v_cache": (None, "kv_heads", None, None),
+            "b_loc": (None, None), "b_start_loc": (None,), "b_seq_len": (None,),
+            "alibi_slopes": ("heads",), "sinks": ("heads",), "output": _TOK_H_D,
+            "k_scale": (None,), "v_scale": (None,), "fp8_out_scale": (None,)},
+    outputs={"output": _TOK_H_D},
+    independent=("heads",),
+    groups={"heads": "kv_heads"},
+    # vmap: examples' tokens are stacked along the token axis and their caches
+    # along the block axis, with block ids offset by each example's block count
+    fold=("tokens",),
+    unbatchable=("k_scale", "v_scale", "fp8_out_scale"),
+)
+
+OPS = {o.name: o for o in (MERGE_ATTN_STATES, MASK_EMPTY_CONTEXT_LSE, LIGHTNING_ATTENTION,
+                           LINEAR_DECODE, LIGHTNING_VARLEN, BLOCKSPARSE_VARLEN,
+                           CONTEXT_ATTENTION_FWD)}

@@ -1,4 +1,5 @@
-"""JAX adapter: functional ops over the shared kernels, usable under jax.jit."""
+"""JAX adapter: functional ops over the shared kernels, usable under jax.jit and
+jax.vmap (each vmap folds into one launch: _vmap.py)."""
 from ._ops_merge import mask_empty_context_lse, merge_attn_states
 from ._ops_prefix_prefill import context_attention_fwd
 
@@ -14,3 +15,13 @@ __all__ += ["lightning_attention", "linear_decode_forward_triton"]
 from ._ops_lightning_varlen import lightning_attention_varlen
 
 __all__ += ["lightning_attention_varlen"]
+
+from ._vmap import with_vmap as _with_vmap  # noqa: E402
+
+merge_attn_states = _with_vmap(merge_attn_states)
+mask_empty_context_lse = _with_vmap(mask_empty_context_lse)
+lightning_attention = _with_vmap(lightning_attention)
+linear_decode_forward_triton = _with_vmap(linear_decode_forward_triton)
+lightning_attention_varlen = _with_vmap(lightning_attention_varlen)
+blocksparse_flash_attn_varlen_fwd = _with_vmap(blocksparse_flash_attn_varlen_fwd)
+context_attention_fwd = _with_vmap(context_attention_fwd)

@@ -238,8 +238,9 @@ def test_cpu_path_independent_of_import_order():
 
 # ------------------------------------------------------------ interpreter thread safety
 _SHARD_MAP = """
-import os
+import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+sys.path.insert(0, "tests")
 import core_kernels  # noqa: F401
 import numpy as np, jax
 from jax.sharding import Mesh, PartitionSpec as P
@@ -248,33 +249,55 @@ try:
 except ImportError:
     from jax.experimental.shard_map import shard_map
 import adapters.jax as aj
-g = np.random.default_rng(0)
-b, h, d = 3, 8, 16
-q, k, v = (g.standard_normal((b, h, 1, d)).astype(np.float32) for _ in range(3))
-cache = g.standard_normal((5, h, d, d)).astype(np.float32)
-slope = g.uniform(0.1, 1, h).astype(np.float32)
-ids = np.array([4, -1, 1], np.int32)
-whole = aj.linear_decode_forward_triton(q, k, v, cache, slope, ids)
+from core_kernels.blocksparse_attention import build_sparse_layout
+from test_prefix_prefill import make_case
+g = np.random.default_rng()
 mesh = Mesh(np.array(jax.devices()), ("h",))
-heads = P(None, "h")
-f = jax.jit(shard_map(aj.linear_decode_forward_triton, mesh=mesh,
-                      in_specs=(heads, heads, heads, heads, P("h"), P()), out_specs=(heads, heads)))
-for _ in range(3):
-    for a, w in zip(f(q, k, v, cache, slope, ids), whole):
-        assert np.array_equal(np.asarray(a), np.asarray(w)), "shard_map differs from the whole call"
-qp, kp, vp = (g.standard_normal((1, h, 40, d)).astype(np.float32) for _ in range(3))
-whole = aj.lightning_attention(qp, kp, vp, slope, 16)
-f = jax.jit(shard_map(lambda q, k, v, s: aj.lightning_attention(q, k, v, s, 16), mesh=mesh,
-                      in_specs=(heads, heads, heads, P("h")), out_specs=(heads, heads)))
-for a, w in zip(f(qp, kp, vp, slope), whole):
-    assert np.array_equal(np.asarray(a), np.asarray(w)), "shard_map prefill differs"
+h1, h2, h3, R = P(None, "h"), P(None, None, "h"), P("h"), P()
+
+
+def check(name, fn, args, in_specs, out_specs, reps=10):
+    \"\"\"shard_map over heads, ``reps`` calls in a row, each equal bit for bit to the whole call.\"\"\"
+    whole = fn(*args)
+    f = jax.jit(shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+    for _ in range(reps):
+        for a, w in zip(jax.tree_util.tree_leaves(f(*args)), jax.tree_util.tree_leaves(whole)):
+            assert np.array_equal(np.asarray(a), np.asarray(w)), name + ": shard_map differs from the whole call"
+
+
+def r(*shape):
+    return g.standard_normal(shape).astype(np.float32)
+
+
+b, h, d = 3, 8, 16
+slope = g.uniform(0.1, 1, h).astype(np.float32)
+check("decode", aj.linear_decode_forward_triton,
+      (r(b, h, 1, d), r(b, h, 1, d), r(b, h, 1, d), r(5, h, d, d), slope, np.array([4, -1, 1], np.int32)),
+      (h1, h1, h1, h1, h3, R), (h1, h1))
+check("lightning", lambda q, k, v, s: aj.lightning_attention(q, k, v, s, 16),
+      (r(1, h, 40, d), r(1, h, 40, d), r(1, h, 40, d), slope), (h1, h1, h1, h3), (h1, h1))
+check("varlen", lambda q, k, v, s, cu: aj.lightning_attention_varlen(q, k, v, s, cu),
+      (r(21, h, d), r(21, h, d), r(21, h, d), slope, np.array([0, 5, 5, 21], np.int32)),
+      (h1, h1, h1, h3, R), (h1, h1))
+check("merge", lambda po, pl, so, sl: aj.merge_attn_states(po, pl, so, sl),
+      (r(9, h, d), r(h, 9), r(9, h, d), r(h, 9)), (h1, h3, h1, h3), (h1, h3))
+(crow, col), _ = build_sparse_layout(h, 48, 16, 2, 2, homo_head=False)
+cu = np.array([0, 17, 48], np.int32)
+check("blocksparse", lambda q, k, v, c, cl: aj.blocksparse_flash_attn_varlen_fwd(
+          q, k, v, cu, cu, 0.25, (c, cl), block_size=16, max_seqlen=48),
+      (r(48, h, d), r(48, h // 2, d), r(48, h // 2, d), crow, col), (h1, h1, h1, h3, h3), h1, reps=3)
+c = make_case([(5, 19), (1, 7), (12, 0)], hq=h, hkv=h // 2, d=d)
+names = ("q", "k", "v", "k_cache", "v_cache", "b_loc", "b_start_loc", "b_seq_len")
+check("prefix", lambda *a: aj.context_attention_fwd(*a, max_input_len=c["max_input_len"]),
+      tuple(c[n] for n in names), (h1, h1, h1, h1, h1, R, R, R), h1, reps=3)
 print("ok")
 """
 
 
 @pytest.mark.skipif(GPU, reason="the interpreter path (CPU machines)")
 def test_shard_map_on_cpu_devices():
-    """shard_map over heads on 4 host devices: XLA runs the shards' host callbacks
+    """shard_map over heads on 4 host devices, every op, several calls in a row,
+    each equal bit for bit to the whole call: XLA runs the shards' host callbacks
     in parallel, and Triton's interpreter is not thread-safe (it broke or computed
     wrong numbers); every interpreted launch holds core_kernels._interpret's lock."""
     import os

@@ -17,7 +17,7 @@ from core_kernels._interpret import run_plan_numpy
 from core_kernels._plan import ArrayInfo, Plan, Scalar, as_float
 from core_kernels._target import Target
 
-from . import _gluon_bridge
+from . import _gluon_bridge, _spmd
 
 _JT = None
 
@@ -166,5 +166,4 @@ def _run_interpreted(plan: Plan, arrays: dict, runtime: dict) -> tuple:
         env = run_plan_numpy(plan, {n: np.asarray(v) for n, v in zip(names, values)}, runtime)
         return tuple(np.asarray(env[r]) for r in plan.results)
 
-    return jax.pure_callback(host, result_structs, *[arrays[n] for n in names],
-                             vmap_method="sequential")
+    return _spmd.host_call(host, result_structs, [arrays[n] for n in names])

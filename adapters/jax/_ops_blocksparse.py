@@ -13,6 +13,9 @@ from core_kernels.blocksparse_attention import (build_sparse_layout, local_strid
                                                 get_head_sliding_step,
                                                 plan_blocksparse_attention, vllm_sparse_attn_mask)
 
+from core_kernels.op_axes import BLOCKSPARSE_VARLEN
+
+from . import _spmd
 from ._executor import info, run_plan, target
 from ._index_validation import check_indices, index_validation
 
@@ -46,15 +49,21 @@ def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_sc
     arrays = dict(q=q, k=k, v=v, cu_seqlens_k=cu_seqlens_k, crow=crow, col=col)
     if cu_seqlens_q is not None:
         arrays["cu_seqlens_q"] = cu_seqlens_q
-    tgt = target(arrays)
-    plan = plan_blocksparse_attention(
-        tgt, info(q), info(k), info(v), info(cu_seqlens_k),
-        None if cu_seqlens_q is None else info(cu_seqlens_q), info(crow), info(col),
+    return _spmd.call(
+        BLOCKSPARSE_VARLEN, _blocksparse, arrays,
         sm_scale=None if sm_scale is None else as_float("sm_scale", sm_scale, finite=False),
         block_size=as_int("block_size", block_size),
         q_block_size=None if q_block_size is None else as_int("q_block_size", q_block_size),
-        max_seqlen=None if max_seqlen is None else as_int("max_seqlen", max_seqlen), config=config)
-    return run_plan(plan, arrays, tgt)[0]
+        max_seqlen=None if max_seqlen is None else as_int("max_seqlen", max_seqlen), config=config)[0]
+
+
+def _blocksparse(arrays, **options):
+    tgt = target(arrays)
+    cu_q = arrays.get("cu_seqlens_q")
+    plan = plan_blocksparse_attention(
+        tgt, *(info(arrays[n]) for n in ("q", "k", "v", "cu_seqlens_k")),
+        None if cu_q is None else info(cu_q), info(arrays["crow"]), info(arrays["col"]), **options)
+    return run_plan(plan, arrays, tgt)
 
 
 def _put(x, device):

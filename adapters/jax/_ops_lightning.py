@@ -9,6 +9,9 @@ from core_kernels._plan import as_int
 from core_kernels.lightning_attention import (check_slot_ids, plan_lightning_attention,
                                               plan_linear_decode)
 
+from core_kernels.op_axes import LIGHTNING_ATTENTION, LINEAR_DECODE
+
+from . import _spmd
 from ._executor import info, run_plan, target
 from ._index_validation import check_indices, index_validation
 
@@ -39,12 +42,17 @@ def lightning_attention(q, k, v, ed, block_size=256, kv_history=None,
     arrays = dict(q=q, k=k, v=v, ed=ed)
     if kv_history is not None:
         arrays["kv_history"] = kv_history
+    return _spmd.call(LIGHTNING_ATTENTION, _prefill, arrays, block_size=as_int("block_size", block_size),
+                      output_final_state_only=output_final_state_only, config=config)
+
+
+def _prefill(arrays, *, block_size, output_final_state_only, config):
     tgt = target(arrays)
-    plan = plan_lightning_attention(tgt, info(q), info(k), info(v), info(ed),
-                                    None if kv_history is None else info(kv_history),
-                                    block_size=as_int("block_size", block_size),
-                                    output_final_state_only=output_final_state_only,
-                                    config=config)
+    history = arrays.get("kv_history")
+    plan = plan_lightning_attention(tgt, *(info(arrays[n]) for n in ("q", "k", "v", "ed")),
+                                    None if history is None else info(history),
+                                    block_size=block_size,
+                                    output_final_state_only=output_final_state_only, config=config)
     return run_plan(plan, arrays, tgt)
 
 
@@ -82,7 +90,11 @@ def linear_decode_forward_triton(q, k, v, kv_caches, slope_rate, slot_idx, BLOCK
                       num_slots=kv_caches.shape[0])
     as_int("BLOCK_SIZE", BLOCK_SIZE, 1)  # unused (vLLM's signature), but an int all the same
     arrays = dict(q=q, k=k, v=v, kv_caches=kv_caches, slope_rate=slope_rate, slot_idx=slot_idx)
+    return _spmd.call(LINEAR_DECODE, _decode, arrays, config=config)
+
+
+def _decode(arrays, *, config):
     tgt = target(arrays)
-    plan = plan_linear_decode(tgt, info(q), info(k), info(v), info(kv_caches), info(slope_rate),
-                              info(slot_idx), config=config)
+    plan = plan_linear_decode(tgt, *(info(arrays[n]) for n in ("q", "k", "v", "kv_caches", "slope_rate",
+                                                                "slot_idx")), config=config)
     return run_plan(plan, arrays, tgt)

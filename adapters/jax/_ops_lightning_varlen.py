@@ -8,6 +8,9 @@ from core_kernels.lightning_attention import check_varlen_host_data, plan_lightn
 
 from core_kernels import _index_check
 
+from core_kernels.op_axes import LIGHTNING_VARLEN
+
+from . import _spmd
 from ._executor import info, run_plan, target
 from ._index_validation import check_indices, index_validation
 
@@ -57,7 +60,7 @@ def lightning_attention_varlen(q, k, v, ed, cu_seqlens, *, kv_cache=None, slot_i
     if slot_idx is not None:
         arrays["slot_idx"] = slot_idx
     tgt = target(arrays)
-    plan = plan_lightning_attention_varlen(
+    plan = plan_lightning_attention_varlen(  # validates before the host checks
         tgt, info(q), info(k), info(v), info(ed), info(cu_seqlens),
         None if kv_cache is None else info(kv_cache), None if slot_idx is None else info(slot_idx),
         block_size=block_size, config=config)
@@ -68,4 +71,14 @@ def lightning_attention_varlen(q, k, v, ed, cu_seqlens, *, kv_cache=None, slot_i
         check_indices(_index_check.check_lightning_varlen,
                       dict(cu_seqlens=cu_seqlens, slot_idx=slot_idx), num_tokens=q.shape[0],
                       num_slots=0 if kv_cache is None else kv_cache.shape[0])
+    return _spmd.call(LIGHTNING_VARLEN, _varlen, arrays, block_size=block_size, config=config,
+                      direct=lambda: run_plan(plan, arrays, tgt))
+
+
+def _varlen(arrays, *, block_size, config):
+    tgt = target(arrays)
+    plan = plan_lightning_attention_varlen(
+        tgt, *(info(arrays[n]) for n in ("q", "k", "v", "ed", "cu_seqlens")),
+        *(None if n not in arrays else info(arrays[n]) for n in ("kv_cache", "slot_idx")),
+        block_size=block_size, config=config)
     return run_plan(plan, arrays, tgt)

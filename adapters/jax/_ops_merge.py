@@ -4,9 +4,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from core_kernels._plan import as_int
+from core_kernels.op_axes import MASK_EMPTY_CONTEXT_LSE, MERGE_ATTN_STATES
 from core_kernels.merge_attn_states import (check_prefill_tokens_with_context, plan_mask_empty_context_lse,
                                            plan_merge_attn_states)
 
+from . import _spmd
 from ._executor import as_array, info, is_device_data, run_plan, scale_array, target
 
 
@@ -42,14 +44,19 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
         arrays["prefill_tokens_with_context"] = as_array("prefill_tokens_with_context", count, jnp.int32)
     if output_scale is not None:
         arrays["output_scale"] = scale_array("output_scale", output_scale)
+    return _spmd.call(MERGE_ATTN_STATES, _merge, arrays, config=config,
+                      output_dtype=None if output_dtype is None else jnp.dtype(output_dtype).name)
+
+
+def _merge(arrays, *, config, output_dtype):
     tgt = target(arrays)
+    count, scale = arrays.get("prefill_tokens_with_context"), arrays.get("output_scale")
     plan = plan_merge_attn_states(
-        tgt, info(prefix_output), info(prefix_lse), info(suffix_output), info(suffix_lse),
-        num_ctx="none" if prefill_tokens_with_context is None else "array",
-        output_scale=None if output_scale is None else info(arrays["output_scale"]),
-        prefill_tokens_with_context=(info(arrays["prefill_tokens_with_context"])
-                                     if "prefill_tokens_with_context" in arrays else None),
-        output_dtype=None if output_dtype is None else jnp.dtype(output_dtype).name, config=config)
+        tgt, *(info(arrays[n]) for n in ("prefix_output", "prefix_lse", "suffix_output", "suffix_lse")),
+        num_ctx="none" if count is None else "array",
+        output_scale=None if scale is None else info(scale),
+        prefill_tokens_with_context=None if count is None else info(count),
+        output_dtype=output_dtype, config=config)
     return run_plan(plan, arrays, tgt)
 
 
@@ -68,7 +75,12 @@ def mask_empty_context_lse(lse, query_start_loc, context_start_loc):
         it is updated without a copy). Tokens of no request keep their values.
     """
     arrays = dict(lse=lse, query_start_loc=query_start_loc, context_start_loc=context_start_loc)
-    tgt = target(arrays)
-    plan = plan_mask_empty_context_lse(tgt, info(lse), info(query_start_loc), info(context_start_loc))
-    (out,) = run_plan(plan, arrays, tgt)
+    (out,) = _spmd.call(MASK_EMPTY_CONTEXT_LSE, _mask, arrays)
     return out
+
+
+def _mask(arrays):
+    tgt = target(arrays)
+    plan = plan_mask_empty_context_lse(tgt, *(info(arrays[n]) for n in
+                                              ("lse", "query_start_loc", "context_start_loc")))
+    return run_plan(plan, arrays, tgt)

@@ -8,6 +8,9 @@ from core_kernels import _index_check
 from core_kernels._plan import as_float, as_int
 from core_kernels.prefix_prefill import plan_prefix_prefill
 
+from core_kernels.op_axes import CONTEXT_ATTENTION_FWD
+
+from . import _spmd
 from ._executor import info, run_plan, scale_array, target
 from ._index_validation import buffer_address, check_indices, index_validation
 
@@ -45,7 +48,6 @@ def context_attention_fwd(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_l
     if fp8_out_scale is not None:
         arrays["fp8_out_scale"] = scale_array("fp8_out_scale", fp8_out_scale)
     arrays = {n: x for n, x in arrays.items() if x is not None}
-    infos = {n: info(x) for n, x in arrays.items()}
     tgt = target(arrays)
     if is_block_table_ptr and tgt.interpret:
         raise NotImplementedError("is_block_table_ptr: block addresses need the GPU (under the "
@@ -53,11 +55,8 @@ def context_attention_fwd(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_l
     if index_validation(validate_indices, b_loc, b_start_loc, b_seq_len):
         _check_indices(q, k, k_cache, b_loc, b_start_loc, b_seq_len, max_input_len,
                        sliding_window, skip_decode, is_block_table_ptr)
-    plan = plan_prefix_prefill(
-        tgt,
-        *(infos.get(n) for n in ("q", "k", "v", "k_cache", "v_cache", "b_loc", "b_start_loc",
-                                 "b_seq_len", "output", "k_scale", "v_scale", "alibi_slopes",
-                                 "sinks", "fp8_out_scale")),
+    return _spmd.call(
+        CONTEXT_ATTENTION_FWD, _context_attention, arrays,
         # static host scalars as plain ints / floats (docs/scalar_policy.md); ranges: the planner's
         max_input_len=q.shape[0] if max_input_len is None else as_int("max_input_len", max_input_len),
         kv_cache_dtype=kv_cache_dtype,
@@ -65,8 +64,18 @@ def context_attention_fwd(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_l
         sm_scale=None if sm_scale is None else as_float("sm_scale", sm_scale, finite=False),
         skip_decode=skip_decode, causal=bool(causal),
         interleaved_v_pack_factor=as_int("interleaved_v_pack_factor", interleaved_v_pack_factor),
-        is_block_table_ptr=bool(is_block_table_ptr), config=config)
-    return run_plan(plan, arrays, tgt)[0]
+        is_block_table_ptr=bool(is_block_table_ptr), config=config)[0]
+
+
+def _context_attention(arrays, **options):
+    tgt = target(arrays)
+    infos = {n: info(x) for n, x in arrays.items()}
+    plan = plan_prefix_prefill(
+        tgt,
+        *(infos.get(n) for n in ("q", "k", "v", "k_cache", "v_cache", "b_loc", "b_start_loc",
+                                 "b_seq_len", "output", "k_scale", "v_scale", "alibi_slopes",
+                                 "sinks", "fp8_out_scale")), **options)
+    return run_plan(plan, arrays, tgt)
 
 
 def _check_indices(q, k, k_cache, b_loc, b_start_loc, b_seq_len, max_input_len, sliding_window,

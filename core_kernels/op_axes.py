@@ -81,6 +81,21 @@ MERGE_ATTN_STATES = OpAxes(
     unbatchable=("prefill_tokens_with_context", "output_scale"),
 )
 
+# the backward of merge_attn_states: per (token, head) like the forward
+MERGE_ATTN_STATES_BACKWARD = OpAxes(
+    "merge_attn_states_backward",
+    inputs={"prefix_output": _TOK_H_D, "prefix_lse": ("heads", "tokens"),
+            "suffix_output": _TOK_H_D, "suffix_lse": ("heads", "tokens"),
+            "grad_output": _TOK_H_D, "grad_output_lse": ("heads", "tokens"),
+            "prefill_tokens_with_context": (None,)},
+    outputs={"grad_prefix_output": _TOK_H_D, "grad_prefix_lse": ("heads", "tokens"),
+             "grad_suffix_output": _TOK_H_D, "grad_suffix_lse": ("heads", "tokens")},
+    independent=("heads", "tokens"),
+    conditional={"tokens": ("prefill_tokens_with_context",)},
+    fold=("heads", "tokens"),
+    unbatchable=("prefill_tokens_with_context",),
+)
+
 MASK_EMPTY_CONTEXT_LSE = OpAxes(
     "mask_empty_context_lse",
     inputs={"lse": ("heads", None), "query_start_loc": (None,), "context_start_loc": (None,)},
@@ -153,6 +168,6 @@ CONTEXT_ATTENTION_FWD = OpAxes(
     unbatchable=("k_scale", "v_scale", "fp8_out_scale"),
 )
 
-OPS = {o.name: o for o in (MERGE_ATTN_STATES, MASK_EMPTY_CONTEXT_LSE, LIGHTNING_ATTENTION,
+OPS = {o.name: o for o in (MERGE_ATTN_STATES, MERGE_ATTN_STATES_BACKWARD, MASK_EMPTY_CONTEXT_LSE, LIGHTNING_ATTENTION,
                            LINEAR_DECODE, LIGHTNING_VARLEN, BLOCKSPARSE_VARLEN,
                            CONTEXT_ATTENTION_FWD)}

@@ -66,6 +66,16 @@ def _merge():
                 output_lse=_f32(2, 5, seed=5))
 
 
+def _merge_functional():
+    return dict(prefix_output=_f32(5, 2, 16, seed=1), prefix_lse=_f32(2, 5, seed=2),
+                suffix_output=_f32(5, 2, 16, seed=3), suffix_lse=_f32(2, 5, seed=4),
+                prefill_tokens_with_context=3)
+
+
+def _merge_backward():
+    return dict(_merge_functional(), grad_output=_f32(5, 2, 16, seed=5), grad_output_lse=_f32(2, 5, seed=6))
+
+
 def _prefix():
     import test_prefix_prefill as tpp
     c = tpp.make_case([(3, 5), (2, 0)], 2, 1, 16, 8, 8, "float32", seed=1)
@@ -108,6 +118,8 @@ def _mask():
 # name -> (valid arguments by schema name, the float input made to require grad)
 EXAMPLES = {
     "merge_attn_states": (_merge, "prefix_output"),
+    "merge_attn_states_functional": (_merge_functional, "prefix_lse"),
+    "merge_attn_states_backward": (_merge_backward, "grad_output"),   # no double backward
     "context_attention_fwd": (_prefix, "q"),
     "lightning_attention": (_lightning, "k"),
     "linear_decode_forward_triton": (_decode, "v"),
@@ -250,6 +262,23 @@ def test_a_tensor_saved_for_backward_and_overwritten_is_detected():
     OPS["merge_attn_states"](*_args("merge_attn_states", values))  # writes output in place
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_merge_in_place_with_grad_runs_its_backward():
+    """merge_attn_states writes in place but has a backward (through its functional
+    op): a call that needs one records it instead of raising, eagerly and compiled."""
+    assert OPS["merge_attn_states"].has_backward and OPS["merge_attn_states_functional"].has_backward
+    for compiled in (False, True):
+        values = _merge()
+        values["prefix_lse"].requires_grad_(True)
+        call = OPS["merge_attn_states"]
+        if compiled:
+            torch._dynamo.reset()
+            call = torch.compile(lambda *a: OPS["merge_attn_states"](*a), fullgraph=True, backend=BACKEND)
+        call(*_args("merge_attn_states", values))
+        assert values["output"].grad_fn is not None and values["output_lse"].grad_fn is not None
+        values["output"].sum().backward()
+        assert values["prefix_lse"].grad is not None and values["prefix_lse"].grad.shape == (2, 5)
 
 
 def test_inference_tensor_written_inside_inference_mode():

@@ -1,9 +1,10 @@
 """JAX adapter: functional ops over the shared kernels, usable under jax.jit and
 jax.vmap (each vmap folds into one launch: _vmap.py)."""
-from ._ops_merge import mask_empty_context_lse, merge_attn_states
+from ._ops_merge import mask_empty_context_lse, merge_attn_states, merge_attn_states_backward
 from ._ops_prefix_prefill import context_attention_fwd
 
-__all__ = ["context_attention_fwd", "mask_empty_context_lse", "merge_attn_states"]
+__all__ = ["context_attention_fwd", "mask_empty_context_lse", "merge_attn_states",
+           "merge_attn_states_backward"]
 from ._ops_blocksparse import (LocalStridedBlockSparseAttn, blocksparse_flash_attn_varlen_fwd,
                                get_head_sliding_step, get_sparse_attn_mask)
 
@@ -18,7 +19,10 @@ __all__ += ["lightning_attention_varlen"]
 
 from ._vmap import with_vmap as _with_vmap  # noqa: E402
 
-merge_attn_states = _with_vmap(merge_attn_states)
+from ._ops_merge import with_vjp as _with_vjp  # noqa: E402
+
+merge_attn_states_backward = _with_vmap(merge_attn_states_backward)
+merge_attn_states = _with_vjp(_with_vmap(merge_attn_states), merge_attn_states_backward)
 mask_empty_context_lse = _with_vmap(mask_empty_context_lse)
 lightning_attention = _with_vmap(lightning_attention)
 linear_decode_forward_triton = _with_vmap(linear_decode_forward_triton)

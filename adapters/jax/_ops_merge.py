@@ -1,12 +1,16 @@
 """merge_attn_states for JAX: functional, works under jax.jit."""
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
 from core_kernels._plan import as_int
-from core_kernels.op_axes import MASK_EMPTY_CONTEXT_LSE, MERGE_ATTN_STATES
-from core_kernels.merge_attn_states import (check_prefill_tokens_with_context, plan_mask_empty_context_lse,
-                                           plan_merge_attn_states)
+from core_kernels.op_axes import MASK_EMPTY_CONTEXT_LSE, MERGE_ATTN_STATES, MERGE_ATTN_STATES_BACKWARD
+from core_kernels.merge_attn_states import (NO_FP8_BACKWARD, check_prefill_tokens_with_context,
+                                           plan_mask_empty_context_lse, plan_merge_attn_states,
+                                           plan_merge_attn_states_backward)
 
 from . import _spmd
 from ._executor import as_array, info, is_device_data, run_plan, scale_array, target
@@ -36,12 +40,7 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
     arrays = dict(prefix_output=prefix_output, prefix_lse=prefix_lse,
                   suffix_output=suffix_output, suffix_lse=suffix_lse)
     if prefill_tokens_with_context is not None:
-        count = prefill_tokens_with_context
-        if not is_device_data(count):  # a host int: checked (a JAX array is device data)
-            count = as_int("prefill_tokens_with_context", count)
-            if getattr(prefix_output, "ndim", None) == 3:
-                count = check_prefill_tokens_with_context(count, prefix_output.shape[0])
-        arrays["prefill_tokens_with_context"] = as_array("prefill_tokens_with_context", count, jnp.int32)
+        arrays["prefill_tokens_with_context"] = _count_array(prefill_tokens_with_context, prefix_output)
     if output_scale is not None:
         arrays["output_scale"] = scale_array("output_scale", output_scale)
     return _spmd.call(MERGE_ATTN_STATES, _merge, arrays, config=config,
@@ -59,6 +58,93 @@ def _merge(arrays, *, config, output_dtype):
         output_dtype=output_dtype, config=config)
     return run_plan(plan, arrays, tgt)
 
+
+
+def _count_array(prefill_tokens_with_context, prefix_output):
+    """prefill_tokens_with_context as an int32 device array (a host int checked)."""
+    count = prefill_tokens_with_context
+    if not is_device_data(count):  # a host int: checked (a JAX array is device data)
+        count = as_int("prefill_tokens_with_context", count)
+        if getattr(prefix_output, "ndim", None) == 3:
+            count = check_prefill_tokens_with_context(count, prefix_output.shape[0])
+    return as_array("prefill_tokens_with_context", count, jnp.int32)
+
+
+def merge_attn_states_backward(prefix_output, prefix_lse, suffix_output, suffix_lse, grad_output,
+                               grad_output_lse=None, *, prefill_tokens_with_context=None, config=None):
+    """The gradients of :func:`merge_attn_states` (output in the input dtype).
+
+    Args:
+        prefix_output, prefix_lse, suffix_output, suffix_lse,
+        prefill_tokens_with_context: the forward's arguments.
+        grad_output: [N, H, D] in the inputs' dtype; grad_output_lse: [H, N]
+            float32 or None (zero).
+    Returns:
+        (grad_prefix_output [N, H, D] input dtype, grad_prefix_lse [H, N] float32,
+        grad_suffix_output, grad_suffix_lse).
+    """
+    arrays = dict(prefix_output=prefix_output, prefix_lse=prefix_lse, suffix_output=suffix_output,
+                  suffix_lse=suffix_lse, grad_output=grad_output, grad_output_lse=grad_output_lse)
+    if prefill_tokens_with_context is not None:
+        arrays["prefill_tokens_with_context"] = _count_array(prefill_tokens_with_context, prefix_output)
+    return _spmd.call(MERGE_ATTN_STATES_BACKWARD, _merge_backward, arrays, config=config)
+
+
+def _merge_backward(arrays, *, config):
+    tgt = target(arrays)
+    count, glse = arrays.get("prefill_tokens_with_context"), arrays.get("grad_output_lse")
+    plan = plan_merge_attn_states_backward(
+        tgt, *(info(arrays[n]) for n in ("prefix_output", "prefix_lse", "suffix_output", "suffix_lse",
+                                         "grad_output")),
+        None if glse is None else info(glse), None if count is None else info(count),
+        num_ctx="none" if count is None else "array", config=config)
+    return run_plan(plan, arrays, tgt)
+
+
+def with_vjp(forward, backward):
+    """The public merge: ``forward`` (merge_attn_states with its vmap rule) with a
+    ``jax.custom_vjp`` whose backward is ``backward`` (the backward kernel, with
+    its own vmap rule). Outside any transformation (no traced array) it is
+    ``forward`` itself. The custom VJP sits outside the vmap rules, so
+    ``jax.vmap(jax.grad(f))`` and ``jax.grad(jax.vmap(f))`` batch the forward and
+    the backward with their rules. An fp8 output (output_scale) has no backward:
+    differentiating it raises ValueError (NO_FP8_BACKWARD)."""
+    @functools.wraps(forward)
+    def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
+                          prefill_tokens_with_context=None, output_scale=None, output_dtype=None,
+                          config=None):
+        primals = (prefix_output, prefix_lse, suffix_output, suffix_lse)
+        kwargs = dict(prefill_tokens_with_context=prefill_tokens_with_context,
+                      output_scale=output_scale, output_dtype=output_dtype, config=config)
+        if not any(isinstance(x, jax.core.Tracer) for x in primals):
+            return forward(*primals, **kwargs)
+        # device data travels as primal arguments (never closed over); host values stay host values
+        count = prefill_tokens_with_context if is_device_data(prefill_tokens_with_context) else None
+        scale = output_scale if is_device_data(output_scale) else None
+
+        def fwd_kwargs(c, s):
+            return dict(kwargs, prefill_tokens_with_context=prefill_tokens_with_context if c is None else c,
+                        output_scale=output_scale if s is None else s)
+
+        @jax.custom_vjp
+        def merge(po, pl, so, sl, c, s):
+            return forward(po, pl, so, sl, **fwd_kwargs(c, s))
+
+        def merge_fwd(po, pl, so, sl, c, s):
+            return forward(po, pl, so, sl, **fwd_kwargs(c, s)), (po, pl, so, sl, c)
+
+        def merge_bwd(res, grads):
+            if output_scale is not None:
+                raise ValueError(NO_FP8_BACKWARD)
+            po, pl, so, sl, c = res
+            d = backward(po, pl, so, sl, grads[0], grads[1], config=config,
+                         prefill_tokens_with_context=prefill_tokens_with_context if c is None else c)
+            return (*d, None, None)
+
+        merge.defvjp(merge_fwd, merge_bwd)
+        return merge(*primals, count, scale)
+
+    return merge_attn_states
 
 def mask_empty_context_lse(lse, query_start_loc, context_start_loc):
     """The LSE with -inf at every query token whose context chunk is empty

@@ -485,6 +485,10 @@ def _context_rule(size, batched, arrays, static, call):
 RULES = {
     "merge_attn_states": (("prefix_output", "prefix_lse", "suffix_output", "suffix_lse",
                            "prefill_tokens_with_context", "output_scale"), _merge_rule, None),
+    "merge_attn_states_backward": (("prefix_output", "prefix_lse", "suffix_output", "suffix_lse",
+                                    "grad_output", "grad_output_lse", "prefill_tokens_with_context"),
+                                   generic_rule("merge_attn_states_backward",
+                                                _axes.MERGE_ATTN_STATES_BACKWARD), None),
     "mask_empty_context_lse": (("lse", "query_start_loc", "context_start_loc"), _mask_rule, None),
     "lightning_attention": (("q", "k", "v", "ed", "kv_history"), _lightning_rule, None),
     "linear_decode_forward_triton": (("q", "k", "v", "kv_caches", "slope_rate", "slot_idx"),

@@ -38,10 +38,13 @@ from core_kernels import op_axes
 from ._register import NAMESPACE, OPS
 
 # torch op name -> OpAxes name, where one OpAxes describes two torch ops
-_OP_NAMES = {"lightning_attention_varlen_cache": "lightning_attention_varlen"}
+_OP_NAMES = {"lightning_attention_varlen_cache": "lightning_attention_varlen",
+             "merge_attn_states_functional": "merge_attn_states"}
 # torch argument name -> OpAxes argument name, where the torch signature renames one
 _ARG_NAMES = {
     "merge_attn_states": {"prefill_tokens_with_context_tensor": "prefill_tokens_with_context"},
+    "merge_attn_states_functional": {"prefill_tokens_with_context_tensor": "prefill_tokens_with_context"},
+    "merge_attn_states_backward": {"prefill_tokens_with_context_tensor": "prefill_tokens_with_context"},
     "context_attention_fwd": {"o": "output"},
 }
 # flags under which a tensor holds device addresses of another tensor's storage: a

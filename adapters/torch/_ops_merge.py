@@ -6,12 +6,18 @@ from typing import Optional
 import torch
 
 from core_kernels._plan import as_int, decode_config, encode_config
-from core_kernels.merge_attn_states import (check_prefill_tokens_with_context, plan_mask_empty_context_lse,
-                                           plan_merge_attn_states)
+from core_kernels.merge_attn_states import (NO_FP8_BACKWARD, check_prefill_tokens_with_context,
+                                           plan_mask_empty_context_lse, plan_merge_attn_states,
+                                           plan_merge_attn_states_backward)
 
 from ._executor import planned, run_plan
 from ._register import custom_op
 from ._scalars import scale_tensor
+
+
+def _num_ctx(count, prefill_tokens_with_context) -> str:
+    """The planner's num_ctx: the token count as a tensor, absent, or a host int."""
+    return "array" if count is not None else "none" if prefill_tokens_with_context is None else "scalar"
 
 
 def _merge_impl(output: torch.Tensor, prefix_output: torch.Tensor, prefix_lse: torch.Tensor,
@@ -25,8 +31,7 @@ def _merge_impl(output: torch.Tensor, prefix_output: torch.Tensor, prefix_lse: t
         dict(prefix_output=prefix_output, prefix_lse=prefix_lse, suffix_output=suffix_output,
              suffix_lse=suffix_lse, output=output, output_lse=output_lse, output_scale=output_scale,
              prefill_tokens_with_context=count),
-        num_ctx="array" if count is not None else "none" if prefill_tokens_with_context is None
-        else "scalar", config=decode_config(config))
+        num_ctx=_num_ctx(count, prefill_tokens_with_context), config=decode_config(config))
     if prefill_tokens_with_context is not None:  # a host int: checked here, after the shapes
         check_prefill_tokens_with_context(prefill_tokens_with_context, prefix_output.shape[0])
     tensors = dict(output=output, prefix_output=prefix_output, prefix_lse=prefix_lse,
@@ -40,7 +45,108 @@ def _merge_impl(output: torch.Tensor, prefix_output: torch.Tensor, prefix_lse: t
     run_plan(plan, tensors, {"prefill_tokens_with_context": prefill_tokens_with_context}, device)
 
 
-_merge_op = custom_op("merge_attn_states", _merge_impl, mutates_args=("output", "output_lse"))
+# ---------------------------------------------------------------- autograd
+# torch.library takes autograd formulas for functional ops only: a call of the
+# in-place op that needs a backward runs the functional op below (which has one)
+# and copies its results into output / output_lse with autograd-visible copies.
+def _functional_impl(prefix_output: torch.Tensor, prefix_lse: torch.Tensor, suffix_output: torch.Tensor,
+                     suffix_lse: torch.Tensor, prefill_tokens_with_context: Optional[int],
+                     config: Optional[str], prefill_tokens_with_context_tensor: Optional[torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    count = prefill_tokens_with_context_tensor
+    plan, device = planned(
+        plan_merge_attn_states,
+        dict(prefix_output=prefix_output, prefix_lse=prefix_lse, suffix_output=suffix_output,
+             suffix_lse=suffix_lse, output=None, output_lse=None, output_scale=None,
+             prefill_tokens_with_context=count),
+        num_ctx=_num_ctx(count, prefill_tokens_with_context), config=decode_config(config))
+    if prefill_tokens_with_context is not None:
+        check_prefill_tokens_with_context(prefill_tokens_with_context, prefix_output.shape[0])
+    tensors = dict(prefix_output=prefix_output, prefix_lse=prefix_lse, suffix_output=suffix_output,
+                   suffix_lse=suffix_lse)
+    if count is not None:
+        tensors["prefill_tokens_with_context"] = count
+    env = run_plan(plan, tensors, {"prefill_tokens_with_context": prefill_tokens_with_context}, device)
+    return env["output"], env["output_lse"]
+
+
+def _functional_fake(prefix_output, prefix_lse, suffix_output, suffix_lse, prefill_tokens_with_context,
+                     config, prefill_tokens_with_context_tensor):
+    n, h, d = prefix_output.shape
+    return prefix_output.new_empty((n, h, d)), prefix_lse.new_empty((h, n))
+
+
+def _backward_impl(prefix_output: torch.Tensor, prefix_lse: torch.Tensor, suffix_output: torch.Tensor,
+                   suffix_lse: torch.Tensor, grad_output: torch.Tensor,
+                   grad_output_lse: Optional[torch.Tensor], prefill_tokens_with_context: Optional[int],
+                   config: Optional[str], prefill_tokens_with_context_tensor: Optional[torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    count = prefill_tokens_with_context_tensor
+    plan, device = planned(
+        plan_merge_attn_states_backward,
+        dict(prefix_output=prefix_output, prefix_lse=prefix_lse, suffix_output=suffix_output,
+             suffix_lse=suffix_lse, grad_output=grad_output, grad_output_lse=grad_output_lse,
+             prefill_tokens_with_context=count),
+        num_ctx=_num_ctx(count, prefill_tokens_with_context), config=decode_config(config))
+    if prefill_tokens_with_context is not None:
+        check_prefill_tokens_with_context(prefill_tokens_with_context, prefix_output.shape[0])
+    tensors = dict(prefix_output=prefix_output, prefix_lse=prefix_lse, suffix_output=suffix_output,
+                   suffix_lse=suffix_lse, grad_output=grad_output)
+    if grad_output_lse is not None:
+        tensors["grad_output_lse"] = grad_output_lse
+    if count is not None:
+        tensors["prefill_tokens_with_context"] = count
+    env = run_plan(plan, tensors, {"prefill_tokens_with_context": prefill_tokens_with_context}, device)
+    return tuple(env[r] for r in plan.results)
+
+
+def _backward_fake(prefix_output, prefix_lse, suffix_output, suffix_lse, grad_output, grad_output_lse,
+                   prefill_tokens_with_context, config, prefill_tokens_with_context_tensor):
+    n, h, d = prefix_output.shape
+    return (prefix_output.new_empty((n, h, d)), prefix_lse.new_empty((h, n)),
+            prefix_output.new_empty((n, h, d)), prefix_lse.new_empty((h, n)))
+
+
+_backward_op = custom_op("merge_attn_states_backward", _backward_impl, fake=_backward_fake)
+
+
+def _setup_context(ctx, inputs, output):
+    po, pl, so, sl, ptwc, config, count = inputs
+    ctx.save_for_backward(po, pl, so, sl, count)
+    ctx.ptwc, ctx.config = ptwc, config
+
+
+def _backward(ctx, grad_output, grad_output_lse):
+    po, pl, so, sl, count = ctx.saved_tensors
+    if grad_output.stride(-1) != 1:  # e.g. the expanded gradient of a sum()
+        grad_output = grad_output.contiguous()
+    grads = _backward_op(po, pl, so, sl, grad_output, grad_output_lse, ctx.ptwc, ctx.config, count)
+    return (*grads, None, None, None)
+
+
+_functional_op = custom_op("merge_attn_states_functional", _functional_impl, fake=_functional_fake,
+                           autograd=(_backward, _setup_context))
+
+
+def _merge_differentiable(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse,
+                          prefill_tokens_with_context, output_scale, config, count) -> None:
+    """The in-place op's arguments, computed through the functional op (autograd)."""
+    if output_scale is not None:
+        raise ValueError(NO_FP8_BACKWARD)
+    for name, t, shape, dtype in (("output", output, prefix_output.shape, prefix_output.dtype),
+                                  ("output_lse", output_lse, prefix_lse.shape, torch.float32)):
+        if t is not None and (t.shape != shape or t.dtype != dtype):
+            raise ValueError(f"{name}: expected shape {tuple(shape)} dtype {dtype} (an output with a "
+                             f"backward), got shape {tuple(t.shape)} dtype {t.dtype}")
+    out, lse = _functional_op(prefix_output, prefix_lse, suffix_output, suffix_lse,
+                              prefill_tokens_with_context, config, count)
+    output.copy_(out)
+    if output_lse is not None:
+        output_lse.copy_(lse)
+
+
+_merge_op = custom_op("merge_attn_states", _merge_impl, mutates_args=("output", "output_lse"),
+                      differentiable=_merge_differentiable)
 
 
 def merge_attn_states(output: torch.Tensor, prefix_output: torch.Tensor, prefix_lse: torch.Tensor,
@@ -69,6 +175,13 @@ def merge_attn_states(output: torch.Tensor, prefix_output: torch.Tensor, prefix_
             tiling the planner would choose.
     Works eagerly, under ``torch.compile(fullgraph=True)`` and in CUDA graphs.
     On a machine without a GPU, CPU tensors run under Triton's interpreter.
+
+    Autograd: when grad mode is on and an input requires grad, the call runs
+    the functional ``tandem_attn::merge_attn_states_functional`` (which has a
+    backward kernel) and copies its results into ``output`` / ``output_lse``
+    (in-place copies autograd records), so ``loss.backward()`` reaches the
+    prefix / suffix outputs and LSEs. An fp8 output (``output_scale``) has no
+    backward (ValueError). Calls that need no gradient take the in-place path.
     """
     count = None
     if isinstance(prefill_tokens_with_context, torch.Tensor):

@@ -56,7 +56,7 @@ _any_requires_grad = getattr(torch._C, "_any_requires_grad", _any_requires_grad_
 _increment_version = getattr(torch._C, "_increment_version", torch.autograd.graph.increment_version)
 
 
-def custom_op(name: str, impl, mutates_args=(), fake=None, autograd=None):
+def custom_op(name: str, impl, mutates_args=(), fake=None, autograd=None, differentiable=None):
     """Register ``impl`` as ``torch.ops.tandem_attn.<name>`` and return a callable
     that dispatches through the op while compiling and calls ``impl`` eagerly.
 
@@ -70,10 +70,18 @@ def custom_op(name: str, impl, mutates_args=(), fake=None, autograd=None):
     ``(backward, setup_context)`` as for ``torch.library.register_autograd``
     (functional ops only, a torch.library rule); such calls then go through the
     dispatcher, which records the backward.
+
+    ``differentiable``: for an in-place op (which torch.library gives no autograd
+    formula), a function of the same arguments that computes the call through
+    functional ops with a backward and copies the results into the written
+    arguments; a call that needs a backward runs it instead of the op (eagerly
+    and under torch.compile). Calls that need no backward are unchanged.
     """
     op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=mutates_args)(impl)
     op.register_fake(fake if fake is not None else (lambda *args, **kwargs: None))
     has_backward = autograd is not None
+    if differentiable is not None and (has_backward or not mutates_args):
+        raise ValueError(f"{name}: differentiable= is for in-place ops without autograd=")
     if has_backward:
         op.register_autograd(autograd[0], setup_context=autograd[1])
     elif not mutates_args:  # torch.library accepts autograd formulas for functional ops only
@@ -92,11 +100,15 @@ def custom_op(name: str, impl, mutates_args=(), fake=None, autograd=None):
         # kernels need. Every op's first argument is a tensor.
         if is_compiling() or (type(a0) is not Tensor and isinstance(a0, Tensor)):
             if not has_backward and grad_enabled() and _any_requires_grad_py(*args):
+                if differentiable is not None:
+                    return differentiable(*args)
                 raise no_backward_error(name)
             return op(*args)  # the dispatcher bumps versions (and records a backward)
         if grad_enabled() and _any_requires_grad(*args):
             if has_backward:
                 return op(*args)
+            if differentiable is not None:
+                return differentiable(*args)
             raise no_backward_error(name)
         if not mutated:
             return impl(*args)
@@ -112,6 +124,6 @@ def custom_op(name: str, impl, mutates_args=(), fake=None, autograd=None):
 
     call.op = op
     call.mutates_args = tuple(mutates_args)
-    call.has_backward = has_backward
+    call.has_backward = has_backward or differentiable is not None
     OPS[name] = call
     return call

@@ -5,9 +5,52 @@ a [BLOCK_R, BLOCK_D] tile: for contiguous [N, H, D] tensors consecutive rows
 are consecutive memory, so every load and store is a wide coalesced access
 whatever H and D are.
 """
+import triton
 import triton.language as tl
 
 from .._triton_utils import jit, round_to_fp8_grid
+
+
+@triton.jit
+def _row_tile(num_ctx_ptr, num_rows, num_heads, num_ctx_arg, BLOCK_R: tl.constexpr,
+              BLOCK_D: tl.constexpr, HEAD_SIZE: tl.constexpr, NUM_CTX_FROM_PTR: tl.constexpr):
+    """This program's [BLOCK_R] (token, head) rows and [BLOCK_D] channels:
+    (o_r, m_r, o_t, o_h, o_d, m_d, m_ctx), m_ctx the live rows that have both a
+    prefix and a suffix part (token < the context count)."""
+    o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    m_r = o_r < num_rows
+    o_t = (o_r // num_heads).to(tl.int64)
+    o_h = (o_r % num_heads).to(tl.int64)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_SIZE
+    if NUM_CTX_FROM_PTR:
+        num_ctx = tl.load(num_ctx_ptr).to(tl.int64)
+    else:
+        num_ctx = num_ctx_arg
+    m_ctx = m_r & (o_t < num_ctx)
+    return o_r, m_r, o_t, o_h, o_d, m_d, m_ctx
+
+
+@triton.jit
+def _merge_weights(p_raw, s_raw):
+    """The two parts' normalised weights from their LSEs (+inf read as -inf: an
+    empty part; an empty part's weight is exactly 0), shared by the forward and
+    backward kernels: (p_empty, s_empty, both_empty, m, w_p, w_s, w_sum_safe),
+    m the larger LSE (0 when both are empty), log(w_sum_safe) + m the merged LSE."""
+    p = tl.where(p_raw == float("inf"), float("-inf"), p_raw)
+    s = tl.where(s_raw == float("inf"), float("-inf"), s_raw)
+    p_empty = p == float("-inf")
+    s_empty = s == float("-inf")
+    both_empty = p_empty & s_empty
+    m = tl.maximum(p, s)
+    m = tl.where(both_empty, 0.0, m)
+    w_p = tl.exp(p - m)
+    w_s = tl.exp(s - m)
+    w_sum_safe = tl.where(both_empty, 1.0, w_p + w_s)
+    # weights first, then multiply
+    w_p = tl.where(both_empty, 0.0, tl.math.div_rn(w_p, w_sum_safe))
+    w_s = tl.where(both_empty, 0.0, tl.math.div_rn(w_s, w_sum_safe))
+    return p_empty, s_empty, both_empty, m, w_p, w_s, w_sum_safe
 
 
 @jit
@@ -29,40 +72,15 @@ def _merge_attn_states_kernel(
     HAS_SCALE: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT_BITS: tl.constexpr,
     FP8_MIN_NORMAL: tl.constexpr, FP8_SUBNORMAL_MAGIC: tl.constexpr,
 ):
-    i_r = tl.program_id(0)
-    o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    m_r = o_r < num_rows
-    o_t = (o_r // num_heads).to(tl.int64)
-    o_h = (o_r % num_heads).to(tl.int64)
-    o_d = tl.arange(0, BLOCK_D)
-    m_d = o_d < HEAD_SIZE
-
-    if NUM_CTX_FROM_PTR:
-        num_ctx = tl.load(num_ctx_ptr).to(tl.int64)
-    else:
-        num_ctx = num_ctx_arg
-    # [BLOCK_R] rows that have both a prefix and a suffix part
-    m_ctx = m_r & (o_t < num_ctx)
+    o_r, m_r, o_t, o_h, o_d, m_d, m_ctx = _row_tile(num_ctx_ptr, num_rows, num_heads, num_ctx_arg,
+                                                    BLOCK_R, BLOCK_D, HEAD_SIZE, NUM_CTX_FROM_PTR)
 
     s_raw = tl.load(suffix_lse_ptr + o_h * stride_slse_h + o_t * stride_slse_t, mask=m_r, other=0.0)
     p_raw = tl.load(prefix_lse_ptr + o_h * stride_plse_h + o_t * stride_plse_t,
                     mask=m_ctx, other=float("-inf"))
-    # +inf marks an empty key set in one backend, -inf in the other.
-    p = tl.where(p_raw == float("inf"), float("-inf"), p_raw)
-    s = tl.where(s_raw == float("inf"), float("-inf"), s_raw)
-    p_empty = p == float("-inf")
-    s_empty = s == float("-inf")
-    both_empty = p_empty & s_empty
-    m = tl.maximum(p, s)
-    m = tl.where(both_empty, 0.0, m)
-    # NaN in p or s makes W NaN, which then reaches output and output_lse.
-    w_p = tl.exp(p - m)
-    w_s = tl.exp(s - m)
-    w_sum = w_p + w_s
-    w_sum_safe = tl.where(both_empty, 1.0, w_sum)
-    # weights first, then multiply; an empty part has weight exactly 0
-    w_p = tl.where(both_empty, 0.0, tl.math.div_rn(w_p, w_sum_safe))
-    w_s = tl.where(both_empty, 0.0, tl.math.div_rn(w_s, w_sum_safe))
+    # +inf marks an empty key set in one backend, -inf in the other; NaN in p
+    # or s makes the weights NaN, which then reach output and output_lse
+    p_empty, s_empty, both_empty, m, w_p, w_s, w_sum_safe = _merge_weights(p_raw, s_raw)
 
     # an empty part's values are never loaded, so garbage or NaN there cannot leak
     m_p_load = (m_ctx & ~p_empty)[:, None] & m_d[None, :]
@@ -95,6 +113,74 @@ def _merge_attn_states_kernel(
         lse = tl.where(m_ctx, lse, s_raw)  # no context: copied as is
         tl.store(out_lse_ptr + o_h * stride_olse_h + o_t * stride_olse_t, lse, mask=m_r)
 
+
+
+@jit
+def _merge_attn_states_bwd_kernel(
+    # input pointers
+    prefix_out_ptr, prefix_lse_ptr, suffix_out_ptr, suffix_lse_ptr,
+    grad_out_ptr, grad_lse_ptr, num_ctx_ptr,
+    # runtime scalars
+    num_rows, num_heads, num_ctx_arg,
+    stride_po_t, stride_po_h, stride_so_t, stride_so_h, stride_go_t, stride_go_h,
+    stride_plse_h, stride_plse_t, stride_slse_h, stride_slse_t,
+    stride_glse_h, stride_glse_t, stride_dlse_h,
+    # output pointers
+    grad_prefix_out_ptr, grad_prefix_lse_ptr, grad_suffix_out_ptr, grad_suffix_lse_ptr,
+    # constexprs
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    ROW_ALIGN: tl.constexpr, NUM_CTX_FROM_PTR: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
+):
+    """Backward of _merge_attn_states_kernel over the same (token, head) row tiles.
+
+    With w_p, w_s the forward's normalised weights (recomputed exactly as there):
+    d po = g * w_p, d so = g * w_s, d p = w_p * (sum_d g * (po - out) + g_lse),
+    d s = w_s * (sum_d g * (so - out) + g_lse). Since po - out = w_s * (po - so),
+    both LSE gradients share c = w_p * w_s * sum_d g * (po - so): d p = c + w_p * g_lse,
+    d s = w_s * g_lse - c (no rounded forward output is needed). An empty part gets
+    exactly zero gradients; tokens without context get d so = g, d s = g_lse (copied).
+    The gradients are written contiguously: [N, H, D] and [H, N].
+    """
+    o_r, m_r, o_t, o_h, o_d, m_d, m_ctx = _row_tile(num_ctx_ptr, num_rows, num_heads, num_ctx_arg,
+                                                    BLOCK_R, BLOCK_D, HEAD_SIZE, NUM_CTX_FROM_PTR)
+
+    # the forward's weights, computed the same way
+    p_raw = tl.load(prefix_lse_ptr + o_h * stride_plse_h + o_t * stride_plse_t,
+                    mask=m_ctx, other=float("-inf"))
+    s_raw = tl.load(suffix_lse_ptr + o_h * stride_slse_h + o_t * stride_slse_t,
+                    mask=m_ctx, other=float("-inf"))
+    p_empty, s_empty, both_empty, m, w_p, w_s, w_sum_safe = _merge_weights(p_raw, s_raw)
+
+    # an empty part's values are never loaded (NaN garbage there cannot leak)
+    m_p = m_ctx & ~p_empty
+    m_s = m_ctx & ~s_empty
+    o_po = o_t * (stride_po_t * ROW_ALIGN) + o_h * (stride_po_h * ROW_ALIGN)
+    o_so = o_t * (stride_so_t * ROW_ALIGN) + o_h * (stride_so_h * ROW_ALIGN)
+    o_go = o_t * (stride_go_t * ROW_ALIGN) + o_h * (stride_go_h * ROW_ALIGN)
+    b_po = tl.load(prefix_out_ptr + o_po[:, None] + o_d[None, :],
+                   mask=m_p[:, None] & m_d[None, :], other=0.0).to(tl.float32)   # [BLOCK_R, BLOCK_D]
+    b_so = tl.load(suffix_out_ptr + o_so[:, None] + o_d[None, :],
+                   mask=m_s[:, None] & m_d[None, :], other=0.0).to(tl.float32)   # [BLOCK_R, BLOCK_D]
+    b_g = tl.load(grad_out_ptr + o_go[:, None] + o_d[None, :],
+                  mask=m_r[:, None] & m_d[None, :], other=0.0).to(tl.float32)    # [BLOCK_R, BLOCK_D]
+    if HAS_GRAD_LSE:
+        g_lse = tl.load(grad_lse_ptr + o_h * stride_glse_h + o_t * stride_glse_t, mask=m_r, other=0.0)
+    else:
+        g_lse = tl.zeros([BLOCK_R], dtype=tl.float32)
+
+    c = w_p * w_s * tl.sum(b_g * (b_po - b_so), axis=1)            # [BLOCK_R]
+    d_p = tl.where(m_p, c + w_p * g_lse, 0.0)
+    d_s = tl.where(m_ctx, tl.where(s_empty, 0.0, w_s * g_lse - c), g_lse)
+    b_dpo = tl.where(m_p[:, None], b_g * w_p[:, None], 0.0)
+    b_dso = tl.where(m_ctx[:, None], tl.where(s_empty[:, None], 0.0, b_g * w_s[:, None]), b_g)
+
+    m_o = m_r[:, None] & m_d[None, :]
+    o_dout = o_r.to(tl.int64)[:, None] * HEAD_SIZE + o_d[None, :]   # contiguous [N, H, D]
+    tl.store(grad_prefix_out_ptr + o_dout, b_dpo.to(grad_prefix_out_ptr.dtype.element_ty), mask=m_o)
+    tl.store(grad_suffix_out_ptr + o_dout, b_dso.to(grad_suffix_out_ptr.dtype.element_ty), mask=m_o)
+    o_dlse = o_h * stride_dlse_h + o_t                               # contiguous [H, N]
+    tl.store(grad_prefix_lse_ptr + o_dlse, d_p, mask=m_r)
+    tl.store(grad_suffix_lse_ptr + o_dlse, d_s, mask=m_r)
 
 @jit
 def _mask_empty_context_lse_kernel(

@@ -8,7 +8,7 @@ from .._plan import (FLOAT_DTYPES, FP8_MAX, INT_DTYPES, ITEMSIZE, ArrayInfo, Buf
                      check_ndim, check_scalar_array, check_shape, config_class, memoize, next_pow2)
 from .._target import Target
 from .._triton_utils import FP8_ROUNDING
-from .kernels import _merge_attn_states_kernel
+from .kernels import _merge_attn_states_bwd_kernel, _merge_attn_states_kernel
 
 MAX_HEAD_SIZE = 512
 
@@ -176,3 +176,88 @@ def _launch(p: _Problem, config: MergeConfig, prefix_output, prefix_lse, suffix_
                                    FP8_ROUNDING.get(p.out_dtype, (0, 0.0, 0.0))))),
         num_warps=config.num_warps, num_stages=1,
     )
+
+
+# ---------------------------------------------------------------- backward
+NO_FP8_BACKWARD = ("output_scale: merge_attn_states with an fp8 output (output_scale given) has no "
+                   "backward; merge in the input dtype to train through it, and quantise afterwards")
+
+# NOTE: not measured yet: the backward reads three [N, H, D] tiles (prefix, suffix,
+# grad) and writes two, so it starts from the forward's 2048-element tiles with
+# 4 warps; tune on a GPU with benchmarks/bench_merge_attn_states.py.
+BACKWARD_CONFIGS = {2: MergeConfig(2048, 4), 4: MergeConfig(2048, 4)}
+
+
+@memoize
+def plan_merge_attn_states_backward(
+    target: Target, prefix_output: ArrayInfo, prefix_lse: ArrayInfo,
+    suffix_output: ArrayInfo, suffix_lse: ArrayInfo, grad_output: ArrayInfo,
+    grad_output_lse: ArrayInfo | None = None, prefill_tokens_with_context: ArrayInfo | None = None,
+    *, num_ctx: str = "none", config: MergeConfig | None = None,
+) -> Plan:
+    """Plan the backward of merge_attn_states (output in the input dtype; an fp8
+    output has no backward: :data:`NO_FP8_BACKWARD`).
+
+    ``grad_output``: [N, H, D] in the inputs' dtype, innermost dim contiguous;
+    ``grad_output_lse``: [H, N] float32 (any strides) or None (= zero).
+    ``num_ctx`` / ``prefill_tokens_with_context``: as for :func:`plan_merge_attn_states`.
+    Results, allocated contiguous: ``grad_prefix_output`` [N, H, D] and
+    ``grad_suffix_output`` in the inputs' dtype, ``grad_prefix_lse`` [H, N] and
+    ``grad_suffix_lse`` float32, in the order (grad_prefix_output, grad_prefix_lse,
+    grad_suffix_output, grad_suffix_lse).
+    """
+    check_config(config, (MergeConfig,))
+    problem = _validate(prefix_output, prefix_lse, suffix_output, suffix_lse, None, None,
+                        True, num_ctx, None, None)
+    n, h, d = problem.n, problem.h, problem.d
+    check_ndim("grad_output", grad_output, 3, "[N, H, D]")
+    check_shape("grad_output", grad_output, (n, h, d), "same as prefix_output")
+    if grad_output.dtype != problem.in_dtype:
+        raise TypeError(f"grad_output: dtype {grad_output.dtype} differs from the output's "
+                        f"{problem.in_dtype} (the inputs' dtype)")
+    check_inner_contiguous("grad_output", grad_output)
+    if grad_output_lse is not None:
+        check_shape("grad_output_lse", grad_output_lse, (h, n), "[H, N]")
+        check_dtype("grad_output_lse", grad_output_lse, ("float32",))
+    if prefill_tokens_with_context is not None:
+        if num_ctx != "array":
+            raise ValueError("prefill_tokens_with_context: an array is passed with num_ctx='array'")
+        check_scalar_array("prefill_tokens_with_context", prefill_tokens_with_context, INT_DTYPES)
+    buffers = {"grad_prefix_output": Buffer((n, h, d), problem.in_dtype),
+               "grad_prefix_lse": Buffer((h, n), "float32"),
+               "grad_suffix_output": Buffer((n, h, d), problem.in_dtype),
+               "grad_suffix_lse": Buffer((h, n), "float32")}
+    results = ("grad_prefix_output", "grad_prefix_lse", "grad_suffix_output", "grad_suffix_lse")
+    if n == 0 or h == 0:
+        return Plan(buffers, (), results)
+    config = config or BACKWARD_CONFIGS[ITEMSIZE[problem.in_dtype]]
+    block_d = max(16, next_pow2(d))
+    rows = n * h
+    block_r = max(1, min(config.tile_elems // block_d, next_pow2(rows)))
+    glse = grad_output_lse.strides if grad_output_lse is not None else (0, 0)
+    row = lambda x: Scalar(x, align="ROW_ALIGN")  # noqa: E731
+    launch = Launch(
+        kernel=_merge_attn_states_bwd_kernel,
+        grid=(cdiv(rows, block_r),),
+        params=dict(
+            prefix_out_ptr="prefix_output", prefix_lse_ptr="prefix_lse",
+            suffix_out_ptr="suffix_output", suffix_lse_ptr="suffix_lse", grad_out_ptr="grad_output",
+            grad_lse_ptr="grad_output_lse" if grad_output_lse is not None else "prefix_lse",  # dummy
+            num_ctx_ptr="prefill_tokens_with_context" if num_ctx == "array" else "prefix_lse",
+            num_rows=Scalar(rows), num_heads=Scalar(h),
+            num_ctx_arg=(Scalar("prefill_tokens_with_context", "i64") if num_ctx == "scalar"
+                         else Scalar(n, "i64")),
+            stride_po_t=row(prefix_output.strides[0]), stride_po_h=row(prefix_output.strides[1]),
+            stride_so_t=row(suffix_output.strides[0]), stride_so_h=row(suffix_output.strides[1]),
+            stride_go_t=row(grad_output.strides[0]), stride_go_h=row(grad_output.strides[1]),
+            stride_plse_h=Scalar(prefix_lse.strides[0]), stride_plse_t=Scalar(prefix_lse.strides[1]),
+            stride_slse_h=Scalar(suffix_lse.strides[0]), stride_slse_t=Scalar(suffix_lse.strides[1]),
+            stride_glse_h=Scalar(glse[0]), stride_glse_t=Scalar(glse[1]), stride_dlse_h=Scalar(n),
+            grad_prefix_out_ptr="grad_prefix_output", grad_prefix_lse_ptr="grad_prefix_lse",
+            grad_suffix_out_ptr="grad_suffix_output", grad_suffix_lse_ptr="grad_suffix_lse"),
+        writes=("grad_prefix_out_ptr", "grad_prefix_lse_ptr", "grad_suffix_out_ptr", "grad_suffix_lse_ptr"),
+        constexprs=dict(BLOCK_R=block_r, BLOCK_D=block_d, HEAD_SIZE=d,
+                        NUM_CTX_FROM_PTR=num_ctx == "array", HAS_GRAD_LSE=grad_output_lse is not None),
+        num_warps=config.num_warps, num_stages=1,
+    )
+    return Plan(buffers, (launch,), results)

@@ -166,9 +166,12 @@ def _merge_attn_states_bwd_kernel(
     if HAS_GRAD_LSE:
         g_lse = tl.load(grad_lse_ptr + o_h * stride_glse_h + o_t * stride_glse_t, mask=m_r, other=0.0)
     else:
-        g_lse = tl.zeros([BLOCK_R], dtype=tl.float32)
+        g_lse = tl.full([BLOCK_R], 0.0, tl.float32)
 
-    c = w_p * w_s * tl.sum(b_g * (b_po - b_so), axis=1)            # [BLOCK_R]
+    # NOTE: tl.reduce with the combine function tl.sum expands to: tl.sum is
+    # itself a @triton.jit helper, which the interpreter path cannot swap (see
+    # test_no_triton_kernel_calls_a_library_jit_helper)
+    c = w_p * w_s * tl.reduce(b_g * (b_po - b_so), 1, tl.standard._sum_combine)   # [BLOCK_R]
     d_p = tl.where(m_p, c + w_p * g_lse, 0.0)
     d_s = tl.where(m_ctx, tl.where(s_empty, 0.0, w_s * g_lse - c), g_lse)
     b_dpo = tl.where(m_p[:, None], b_g * w_p[:, None], 0.0)

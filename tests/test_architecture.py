@@ -275,10 +275,10 @@ check("decode", aj.linear_decode_forward_triton,
       (r(b, h, 1, d), r(b, h, 1, d), r(b, h, 1, d), r(5, h, d, d), slope, np.array([4, -1, 1], np.int32)),
       (h1, h1, h1, h1, h3, R), (h1, h1))
 check("lightning", lambda q, k, v, s: aj.lightning_attention(q, k, v, s, 16),
-      (r(1, h, 40, d), r(1, h, 40, d), r(1, h, 40, d), slope), (h1, h1, h1, h3), (h1, h1))
+      (r(1, h, 40, d), r(1, h, 40, d), r(1, h, 40, d), slope), (h1, h1, h1, h3), (h1, h1), reps=4)
 check("varlen", lambda q, k, v, s, cu: aj.lightning_attention_varlen(q, k, v, s, cu),
       (r(21, h, d), r(21, h, d), r(21, h, d), slope, np.array([0, 5, 5, 21], np.int32)),
-      (h1, h1, h1, h3, R), (h1, h1))
+      (h1, h1, h1, h3, R), (h1, h1), reps=4)
 check("merge", lambda po, pl, so, sl: aj.merge_attn_states(po, pl, so, sl),
       (r(9, h, d), r(h, 9), r(9, h, d), r(h, 9)), (h1, h3, h1, h3), (h1, h3))
 (crow, col), _ = build_sparse_layout(h, 48, 16, 2, 2, homo_head=False)
@@ -296,7 +296,8 @@ print("ok")
 
 @pytest.mark.skipif(GPU, reason="the interpreter path (CPU machines)")
 def test_shard_map_on_cpu_devices():
-    """shard_map over heads on 4 host devices, every op, several calls in a row,
+    """shard_map over heads on 4 host devices, every op, several calls in a row
+    (10 for decode and merge),
     each equal bit for bit to the whole call: XLA runs the shards' host callbacks
     in parallel, and Triton's interpreter is not thread-safe (it broke or computed
     wrong numbers); every interpreted launch holds core_kernels._interpret's lock."""

@@ -287,14 +287,14 @@ class PrefixPrefillTests:
                                        (64, 32, 4, 2, True, 2, False), (32, 32, 4, 2, True, 0, True)],
                              ids=str)
     def test_small_tiles_full_and_masked_runs(self, tiles):
-        """Small tiles so every run (masked / full, cache / new keys) has several tiles."""
+        """Small tiles so every run (masked / full, cache / new keys) has several tiles
+        (4 query heads packed per kv head: BLOCK_M // 4 tokens per program)."""
         config = PrefixPrefillConfig(*tiles)
-        case = make_case([(70, 90), (37, 0), (1, 33), (48, 16)], 4, 1, 32, 16, 8, "float32",
-                         table_dtype="int64")
+        seqs = [(40, 60), (21, 0), (1, 33), (30, 16)]
+        case = make_case(seqs, 4, 1, 32, 16, 8, "float32", table_dtype="int64")
         check(self.attention(case, config=config), reference(case), "float32", f"tiles {tiles}")
         w = 23
-        case = make_case([(70, 90), (37, 0), (1, 33), (48, 16)], 4, 1, 32, 16, 8, "float32",
-                         window=w)
+        case = make_case(seqs, 4, 1, 32, 16, 8, "float32", window=w)
         check(self.attention(case, sliding_window=w, config=config),
               reference(case, sliding_window=w), "float32", f"tiles {tiles} window")
 

@@ -173,6 +173,27 @@ def test_aot_lower_compile():
     assert _bitwise(compiled(*args), _merge_and_lightning(*args))
 
 
+def test_one_device_mesh_shard_map_and_named_sharding():
+    """On this process's first device (the GPU there): shard_map and jit over
+    NamedSharding inputs on a 1-device mesh give the unsharded call's bits."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    try:
+        from jax import shard_map
+    except ImportError:
+        from jax.experimental.shard_map import shard_map
+    args = _export_inputs()                 # merge [N, H, D] / [H, N], lightning [B, H, N, D]
+    mesh = Mesh(np.array(jax.devices()[:1]), ("h",))
+    specs = (P(None, "h"), P("h"), P(None, "h"), P("h"), P(None, "h"), P(None, "h"), P(None, "h"), P("h"))
+    out_specs = ((P(None, "h"), P("h")), (P(None, "h"), P(None, "h")))
+    whole = _merge_and_lightning(*args)
+    f = jax.jit(shard_map(_merge_and_lightning, mesh=mesh, in_specs=specs, out_specs=out_specs))
+    for _ in range(3):
+        assert _bitwise(f(*args), whole), "shard_map on a 1-device mesh"
+    placed = [jax.device_put(a, NamedSharding(mesh, sp)) for a, sp in zip(args, specs)]
+    assert _bitwise(jax.jit(_merge_and_lightning)(*placed), whole), "NamedSharding on a 1-device mesh"
+
+
 @pytest.mark.skipif(GPU, reason="the CPU path (host callbacks)")
 def test_export_refused_on_cpu():
     """On CPU the kernels run in a host callback, which jax.export cannot

@@ -20,29 +20,30 @@ def _num_ctx(count, prefill_tokens_with_context) -> str:
     return "array" if count is not None else "none" if prefill_tokens_with_context is None else "scalar"
 
 
+def _run(plan_fn, arrays: dict, prefill_tokens_with_context: Optional[int], config: Optional[str]):
+    """Plan ``plan_fn`` over ``arrays`` (name -> tensor or None = absent; the
+    token count tensor as "prefill_tokens_with_context") and run it; returns
+    (plan, env). The forward, functional and backward ops all go through here."""
+    count = arrays.get("prefill_tokens_with_context")  # device data (a tensor), never read on the host
+    plan, device = planned(plan_fn, arrays, num_ctx=_num_ctx(count, prefill_tokens_with_context),
+                           config=decode_config(config))
+    if prefill_tokens_with_context is not None:  # a host int: checked here, after the shapes
+        check_prefill_tokens_with_context(prefill_tokens_with_context, arrays["prefix_output"].shape[0])
+    env = run_plan(plan, {n: t for n, t in arrays.items() if t is not None},
+                   {"prefill_tokens_with_context": prefill_tokens_with_context}, device)
+    return plan, env
+
+
 def _merge_impl(output: torch.Tensor, prefix_output: torch.Tensor, prefix_lse: torch.Tensor,
                 suffix_output: torch.Tensor, suffix_lse: torch.Tensor,
                 output_lse: Optional[torch.Tensor], prefill_tokens_with_context: Optional[int],
                 output_scale: Optional[torch.Tensor], config: Optional[str],
                 prefill_tokens_with_context_tensor: Optional[torch.Tensor]) -> None:
-    count = prefill_tokens_with_context_tensor  # device data (a tensor), never read on the host
-    plan, device = planned(
-        plan_merge_attn_states,
-        dict(prefix_output=prefix_output, prefix_lse=prefix_lse, suffix_output=suffix_output,
-             suffix_lse=suffix_lse, output=output, output_lse=output_lse, output_scale=output_scale,
-             prefill_tokens_with_context=count),
-        num_ctx=_num_ctx(count, prefill_tokens_with_context), config=decode_config(config))
-    if prefill_tokens_with_context is not None:  # a host int: checked here, after the shapes
-        check_prefill_tokens_with_context(prefill_tokens_with_context, prefix_output.shape[0])
-    tensors = dict(output=output, prefix_output=prefix_output, prefix_lse=prefix_lse,
-                   suffix_output=suffix_output, suffix_lse=suffix_lse)
-    if output_lse is not None:
-        tensors["output_lse"] = output_lse
-    if output_scale is not None:
-        tensors["output_scale"] = output_scale
-    if count is not None:
-        tensors["prefill_tokens_with_context"] = count
-    run_plan(plan, tensors, {"prefill_tokens_with_context": prefill_tokens_with_context}, device)
+    _run(plan_merge_attn_states,
+         dict(prefix_output=prefix_output, prefix_lse=prefix_lse, suffix_output=suffix_output,
+              suffix_lse=suffix_lse, output=output, output_lse=output_lse, output_scale=output_scale,
+              prefill_tokens_with_context=prefill_tokens_with_context_tensor),
+         prefill_tokens_with_context, config)
 
 
 # ---------------------------------------------------------------- autograd
@@ -53,20 +54,11 @@ def _functional_impl(prefix_output: torch.Tensor, prefix_lse: torch.Tensor, suff
                      suffix_lse: torch.Tensor, prefill_tokens_with_context: Optional[int],
                      config: Optional[str], prefill_tokens_with_context_tensor: Optional[torch.Tensor]
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    count = prefill_tokens_with_context_tensor
-    plan, device = planned(
-        plan_merge_attn_states,
-        dict(prefix_output=prefix_output, prefix_lse=prefix_lse, suffix_output=suffix_output,
-             suffix_lse=suffix_lse, output=None, output_lse=None, output_scale=None,
-             prefill_tokens_with_context=count),
-        num_ctx=_num_ctx(count, prefill_tokens_with_context), config=decode_config(config))
-    if prefill_tokens_with_context is not None:
-        check_prefill_tokens_with_context(prefill_tokens_with_context, prefix_output.shape[0])
-    tensors = dict(prefix_output=prefix_output, prefix_lse=prefix_lse, suffix_output=suffix_output,
-                   suffix_lse=suffix_lse)
-    if count is not None:
-        tensors["prefill_tokens_with_context"] = count
-    env = run_plan(plan, tensors, {"prefill_tokens_with_context": prefill_tokens_with_context}, device)
+    _, env = _run(plan_merge_attn_states,
+                  dict(prefix_output=prefix_output, prefix_lse=prefix_lse, suffix_output=suffix_output,
+                       suffix_lse=suffix_lse, output=None, output_lse=None, output_scale=None,
+                       prefill_tokens_with_context=prefill_tokens_with_context_tensor),
+                  prefill_tokens_with_context, config)
     return env["output"], env["output_lse"]
 
 
@@ -81,22 +73,11 @@ def _backward_impl(prefix_output: torch.Tensor, prefix_lse: torch.Tensor, suffix
                    grad_output_lse: Optional[torch.Tensor], prefill_tokens_with_context: Optional[int],
                    config: Optional[str], prefill_tokens_with_context_tensor: Optional[torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    count = prefill_tokens_with_context_tensor
-    plan, device = planned(
-        plan_merge_attn_states_backward,
-        dict(prefix_output=prefix_output, prefix_lse=prefix_lse, suffix_output=suffix_output,
-             suffix_lse=suffix_lse, grad_output=grad_output, grad_output_lse=grad_output_lse,
-             prefill_tokens_with_context=count),
-        num_ctx=_num_ctx(count, prefill_tokens_with_context), config=decode_config(config))
-    if prefill_tokens_with_context is not None:
-        check_prefill_tokens_with_context(prefill_tokens_with_context, prefix_output.shape[0])
-    tensors = dict(prefix_output=prefix_output, prefix_lse=prefix_lse, suffix_output=suffix_output,
-                   suffix_lse=suffix_lse, grad_output=grad_output)
-    if grad_output_lse is not None:
-        tensors["grad_output_lse"] = grad_output_lse
-    if count is not None:
-        tensors["prefill_tokens_with_context"] = count
-    env = run_plan(plan, tensors, {"prefill_tokens_with_context": prefill_tokens_with_context}, device)
+    plan, env = _run(plan_merge_attn_states_backward,
+                     dict(prefix_output=prefix_output, prefix_lse=prefix_lse, suffix_output=suffix_output,
+                          suffix_lse=suffix_lse, grad_output=grad_output, grad_output_lse=grad_output_lse,
+                          prefill_tokens_with_context=prefill_tokens_with_context_tensor),
+                     prefill_tokens_with_context, config)
     return tuple(env[r] for r in plan.results)
 
 

@@ -60,15 +60,11 @@ class Scalar:
     A ``str`` value names a runtime value that the adapter supplies at each
     call (so a plan can be cached while that value changes). ``align`` names
     the alignment group (a constexpr of the kernel) of a plan-time integer:
-    see :class:`Launch` and core_kernels._triton_utils.jit. ``bias`` (in a
-    group only) is added after the division and subtracted by the kernel: with
-    bias 1 a stride never arrives as 1, which both launchers would specialise
-    as a constant (and so change the kernel's layouts) for some inputs only.
+    see :class:`Launch` and core_kernels._triton_utils.jit.
     """
     value: Any
     kind: str = "i32"
     align: str | None = None
-    bias: int = 0
 
 
 def kernel_signature(kernel) -> list:
@@ -106,8 +102,7 @@ class Launch:
     when the plan is built, so an argument cannot land in the wrong position.
 
     Integers in an alignment group (``Scalar(v, align=G)``) are passed divided
-    by the group's :func:`pow2_divisor`, which becomes constexpr ``G`` (plus
-    the Scalar's ``bias``).
+    by the group's :func:`pow2_divisor`, which becomes constexpr ``G``.
 
     The executors read the resolved fields: ``args`` (buffer names or Scalars
     of the parameters read, in signature order), ``outputs`` (buffer names of
@@ -166,7 +161,7 @@ class Launch:
             constexprs[g] = pow2_divisor(*values)
         for n, value in params.items():
             if isinstance(value, Scalar) and value.align is not None:
-                params[n] = Scalar(int(value.value) // constexprs[value.align] + value.bias, value.kind)
+                params[n] = Scalar(int(value.value) // constexprs[value.align], value.kind)
         if set(constexprs) != consts:
             raise TypeError(f"{name}: constexprs do not match the kernel's (unknown "
                             f"{sorted(set(constexprs) - consts)}, missing {sorted(consts - set(constexprs))})")

@@ -94,6 +94,22 @@ def as_torch(x, layout=("contiguous",)) -> torch.Tensor:
     return to_torch(x)
 
 
+def aligned_like_contiguous(t: torch.Tensor) -> bool:
+    """Whether Triton knows as much about ``t``'s alignment as about the contiguous
+    (JAX) array: a 16-byte aligned data pointer, and every stride of an axis longer
+    than 1 divisible by the same power of two (up to 16 bytes) as the row-major one."""
+    def pow2(nbytes):
+        a = 16
+        while a > 1 and nbytes % a:
+            a //= 2
+        return a
+    if t.data_ptr() % 16:
+        return False
+    contiguous = np.cumprod((list(t.shape[1:]) + [1])[::-1])[::-1]
+    return all(pow2(s * t.element_size()) == pow2(int(c) * t.element_size())
+               for n, s, c in zip(t.shape, t.stride(), contiguous) if n > 1)
+
+
 def assert_only_view_written(view: torch.Tensor, what: str):
     """After the results were read: nothing outside ``view`` in its buffer changed."""
     base = view._base if view._base is not None else view
@@ -550,8 +566,12 @@ def decode_cases(draw):
 
 @budget(1.0)
 @given(decode_cases())
-# torch's padded cache vs JAX's contiguous one, E = 1: D stride 4 vs 1 (2026-11-24)
-@gpu_examples(dict(b=1, h=1, d=3, e=1, dtype="float32", num_slots=1, slots=[0], slot_dtype="int32",
+# torch's padded caches at an offset of 4 and 8 bytes vs JAX's aligned ones (2026-11-24)
+@gpu_examples(dict(b=1, h=1, d=14, e=2, dtype="float32", num_slots=1, slots=[0], slot_dtype="int32",
+                   cache_dtype="float32", decay_layout="H", decay_strided=False, config=None,
+                   views={"q": ("contiguous",), "k": ("contiguous",), "v": ("contiguous",),
+                          "kv_caches": ("pad", 2)}, jit=False, seed=0),
+              dict(b=1, h=1, d=3, e=1, dtype="float32", num_slots=1, slots=[0], slot_dtype="int32",
                    cache_dtype="float32", decay_layout="H", decay_strided=False, config=None,
                    views={"q": ("contiguous",), "k": ("contiguous",), "v": ("contiguous",),
                           "kv_caches": ("pad", 3)}, jit=False, seed=0))
@@ -570,8 +590,9 @@ def test_linear_decode_forward_property(c):
         ref_out, ref_cache = np.zeros((0, h * e)), cache.astype(np.float64)
     views = c["views"]
     ct = as_torch(cache, views["kv_caches"])
+    tq, tk, tv = as_torch(q, views["q"]), as_torch(k, views["k"]), as_torch(v, views["v"])
     t_out = at.linear_decode_forward_triton(
-        as_torch(q, views["q"]), as_torch(k, views["k"]), as_torch(v, views["v"]), ct,
+        tq, tk, tv, ct,
         decay_torch(slope, c["decay_layout"], c["decay_strided"]), to_torch(slots), config=c["config"])
     t_out, t_cache = torch_to_numpy(t_out), torch_to_numpy(ct)
     import adapters.jax as aj
@@ -587,7 +608,15 @@ def test_linear_decode_forward_property(c):
         check_lightning(new_cache, ref_cache, dtype, f"{name} cache")
         assert np.all(np.asarray(out[slots == -1], np.float32) == 0), f"{name}: padding rows must be 0"
         assert_bitwise_equal(new_cache[untouched], cache[untouched], f"{name}: untouched slots")
-    assert_bitwise_equal(t_out, j_out, "output torch vs jax")
+    if all(aligned_like_contiguous(t) for t in (tq, tk, tv, ct)):
+        assert_bitwise_equal(t_out, j_out, "output torch vs jax")
+    else:
+        # NOTE: the output reduces over D in the layout Triton derives from what it
+        # knows of the pointers and strides: a torch view that is less aligned than
+        # JAX's contiguous buffer sums in another order (last-bit differences, seen
+        # on the H200 with caches at a 4- and 8-byte offset). Bitwise equality is
+        # promised for equally aligned arrays (README: torch vs JAX).
+        assert_close(t_out, j_out, dtype, "output torch vs jax (differently aligned)")
     assert_bitwise_equal(t_cache, j_cache, "cache torch vs jax")
 
 

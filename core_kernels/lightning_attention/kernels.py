@@ -388,7 +388,7 @@ def _lightning_decode_kernel(
     # runtime scalars
     num_heads, num_slots, head_k, head_v, stride_decay,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-    stride_cs, stride_ch, stride_cd_p1, stride_ce, stride_ob, stride_oh,
+    stride_cs, stride_ch, stride_cd, stride_ce, stride_ob, stride_oh,
     # output pointers
     out_ptr, cache_ptr,
     # constexprs
@@ -403,14 +403,7 @@ def _lightning_decode_kernel(
                                                   stride_kb * ALIGN, stride_kh * ALIGN)
     stride_vb, stride_vh, stride_ob, stride_oh = (stride_vb * ALIGN, stride_vh * ALIGN,
                                                   stride_ob * ALIGN, stride_oh * ALIGN)
-    stride_cs, stride_ch = stride_cs * ALIGN, stride_ch * ALIGN
-    # NOTE: the state's D stride arrives (divided by ALIGN) plus one. A stride of 1 (a contiguous
-    # cache with E = 1) would be specialised as a constant by both launchers and
-    # make D the tile's fastest axis, which reorders the reduction over D: a torch
-    # view with D stride 4 and the same cache contiguous in JAX then differed in
-    # the last bit (found by tests/test_properties.py on the H200). Hidden, the
-    # layout depends on the E stride alone.
-    stride_cd = (stride_cd_p1 - 1) * ALIGN
+    stride_cs, stride_ch, stride_cd = stride_cs * ALIGN, stride_ch * ALIGN, stride_cd * ALIGN
     i_e = tl.program_id(0)
     o_d = tl.arange(0, BLOCK_D)
     o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)

@@ -56,8 +56,8 @@ def context_attention_fwd(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b
             ``fp8_out_scale`` (o = fp8(clamp(attn / fp8_out_scale))).
         kv_cache_dtype: "auto" (the cache dtype: q's, or an fp8 dtype), "fp8" /
             "fp8_e4m3" or "fp8_e5m2" (a uint8 cache is reinterpreted), or the
-            plain cache's dtype name "float16" / "bfloat16" / "float32" (as
-            "auto"; the cache must be of that dtype).
+            name of a plain float dtype "float16" / "bfloat16" / "float32" (read
+            as "auto", whatever the cache's float dtype, as vLLM's kernel does).
         k_cache: [num_blocks, Hkv, D // x, block_size, x]; v_cache: [num_blocks,
             Hkv, D, block_size]; any x dividing D, any block_size.
         b_loc: [B, max_blocks_per_seq] int32/int64 block table; b_start_loc: [B + 1]

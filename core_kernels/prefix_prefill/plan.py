@@ -18,8 +18,8 @@ MAX_HEAD_SIZE = 256
 LOG2E = 1.4426950408889634
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
                    "fp8_e5m2": "float8_e5m2"}
-# vLLM's cache-dtype names of a plain (unquantised) cache: as "auto", and the
-# cache must be of that dtype (vLLM's kernel tests pass "float16")
+# vLLM's cache-dtype names of a plain (unquantised) cache: read as "auto" (vLLM's
+# kernel tests pass "float16", also with a float32 cache: see _fp8_format)
 PLAIN_CACHE_DTYPES = ("float16", "bfloat16", "float32")
 
 
@@ -311,8 +311,10 @@ def _fp8_format(name: str, info: ArrayInfo, kv_cache_dtype: str, q_dtype: str):
         if info.dtype == "uint8":
             raise ValueError(f"{name}: a uint8 cache needs kv_cache_dtype 'fp8', 'fp8_e4m3' "
                             f"or 'fp8_e5m2' to say how to read it, got {kv_cache_dtype!r}")
-        if kv_cache_dtype != "auto" and info.dtype != kv_cache_dtype:
-            raise TypeError(f"{name}: dtype {info.dtype} is not kv_cache_dtype {kv_cache_dtype!r}")
+        # NOTE: a plain name ("float16", "bfloat16", "float32") reads as "auto", the
+        # cache in its own dtype, whatever the name says: vLLM's kernel only tells
+        # fp8 from not, and vLLM's own fp32 kernel test passes "float16" with a
+        # float32 cache (a stricter check failed 12 of its cases, 2026-11-24)
         if info.dtype in FP8_DTYPES:
             return info.dtype
         if info.dtype != q_dtype:

@@ -152,6 +152,29 @@ BLOCKSPARSE_VARLEN = OpAxes(
     unbatchable=("cu_seqlens_k", "cu_seqlens_q"),
 )
 
+# the forward a gradient needs (output plus each row's LSE [Tq, Hq]) and the
+# backward: per query head like the forward, dk / dv summed within a kv-head group
+BLOCKSPARSE_VARLEN_LSE = OpAxes(
+    "blocksparse_flash_attn_varlen_fwd_lse",
+    inputs=BLOCKSPARSE_VARLEN.inputs,
+    outputs={"output": _TOK_H_D, "lse": ("tokens", "heads")},
+    independent=("heads",),
+    groups={"heads": "kv_heads"},
+    fold=("heads",),
+    unbatchable=("cu_seqlens_k", "cu_seqlens_q"),
+)
+
+BLOCKSPARSE_VARLEN_BACKWARD = OpAxes(
+    "blocksparse_flash_attn_varlen_backward",
+    inputs={**BLOCKSPARSE_VARLEN.inputs, "output": _TOK_H_D, "lse": ("tokens", "heads"),
+            "grad_output": _TOK_H_D},
+    outputs={"grad_q": _TOK_H_D, "grad_k": _TOK_KVH_D, "grad_v": _TOK_KVH_D},
+    independent=("heads",),
+    groups={"heads": "kv_heads"},
+    fold=("heads",),
+    unbatchable=("cu_seqlens_k", "cu_seqlens_q"),
+)
+
 CONTEXT_ATTENTION_FWD = OpAxes(
     "context_attention_fwd",
     inputs={"q": _TOK_H_D, "k": _TOK_KVH_D, "v": _TOK_KVH_D,
@@ -170,4 +193,5 @@ CONTEXT_ATTENTION_FWD = OpAxes(
 
 OPS = {o.name: o for o in (MERGE_ATTN_STATES, MERGE_ATTN_STATES_BACKWARD, MASK_EMPTY_CONTEXT_LSE, LIGHTNING_ATTENTION,
                            LINEAR_DECODE, LIGHTNING_VARLEN, BLOCKSPARSE_VARLEN,
+                           BLOCKSPARSE_VARLEN_LSE, BLOCKSPARSE_VARLEN_BACKWARD,
                            CONTEXT_ATTENTION_FWD)}

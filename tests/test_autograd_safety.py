@@ -103,6 +103,19 @@ def _blocksparse():
                 col=to_torch(np.ascontiguousarray(col)), sm_scale=0.25, block_size=16)
 
 
+def _blocksparse_lse():
+    d = _blocksparse()
+    d.update(cu_seqlens_q=None, q_block_size=None, max_seqlen=None, config=None)
+    return d
+
+
+def _blocksparse_backward():
+    d = _blocksparse_lse()
+    with torch.no_grad():
+        out, lse = OPS["blocksparse_flash_attn_varlen_fwd_lse"](*_args("blocksparse_flash_attn_varlen_fwd_lse", d))
+    return dict(d, output=out, lse=lse, grad_output=_f32(32, 2, 16, seed=3))
+
+
 def _varlen(cache):
     d = dict(q=_f32(7, 2, 16), k=_f32(7, 2, 16, seed=1), v=_f32(7, 2, 16, seed=2),
              ed=_i([0.1, 0.5], np.float32), cu_seqlens=_i([0, 3, 7]), block_size=16)
@@ -124,6 +137,8 @@ EXAMPLES = {
     "lightning_attention": (_lightning, "k"),
     "linear_decode_forward_triton": (_decode, "v"),
     "blocksparse_flash_attn_varlen_fwd": (_blocksparse, "q"),
+    "blocksparse_flash_attn_varlen_fwd_lse": (_blocksparse_lse, "k"),
+    "blocksparse_flash_attn_varlen_backward": (_blocksparse_backward, "grad_output"),   # no double backward
     "lightning_attention_varlen": (lambda: _varlen(False), "q"),
     "lightning_attention_varlen_cache": (lambda: _varlen(True), "v"),
     "mask_empty_context_lse": (_mask, None),   # its only float input is written in place
@@ -279,6 +294,27 @@ def test_merge_in_place_with_grad_runs_its_backward():
         assert values["output"].grad_fn is not None and values["output_lse"].grad_fn is not None
         values["output"].sum().backward()
         assert values["prefix_lse"].grad is not None and values["prefix_lse"].grad.shape == (2, 5)
+
+
+def test_blocksparse_with_grad_runs_its_backward():
+    """blocksparse_flash_attn_varlen_fwd has a backward (through its LSE op): a call
+    that needs one records it instead of raising, eagerly and compiled; the
+    registered op itself (a dispatcher call cannot be rerouted) still refuses."""
+    name = "blocksparse_flash_attn_varlen_fwd"
+    assert OPS[name].has_backward and OPS["blocksparse_flash_attn_varlen_fwd_lse"].has_backward
+    for compiled in (False, True):
+        values = _blocksparse()
+        values["q"].requires_grad_(True)
+        call = OPS[name]
+        if compiled:
+            torch._dynamo.reset()
+            call = torch.compile(lambda *a: OPS[name](*a), fullgraph=True, backend=BACKEND)
+        out = call(*_args(name, values))
+        assert out.grad_fn is not None
+        out.sum().backward()
+        assert values["q"].grad is not None and values["q"].grad.shape == (32, 2, 16)
+    with pytest.raises(RuntimeError, match=NO_BACKWARD):
+        OPS[name].op(*_args(name, values))
 
 
 def test_inference_tensor_written_inside_inference_mode():

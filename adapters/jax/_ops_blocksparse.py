@@ -1,6 +1,7 @@
 """Block-sparse varlen attention for JAX: functional, works under jax.jit."""
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -9,11 +10,13 @@ import numpy as np
 
 from core_kernels import _index_check
 from core_kernels._plan import as_float, as_int
-from core_kernels.blocksparse_attention import (build_sparse_layout, local_strided_pattern,
-                                                get_head_sliding_step,
-                                                plan_blocksparse_attention, vllm_sparse_attn_mask)
+from core_kernels.blocksparse_attention import (NO_DECODE_CONFIG, BlocksparsePrefillConfig,
+                                                build_sparse_layout, local_strided_pattern,
+                                                get_head_sliding_step, plan_blocksparse_attention,
+                                                plan_blocksparse_attention_backward,
+                                                plan_blocksparse_attention_lse, vllm_sparse_attn_mask)
 
-from core_kernels.op_axes import BLOCKSPARSE_VARLEN
+from core_kernels.op_axes import BLOCKSPARSE_VARLEN, BLOCKSPARSE_VARLEN_BACKWARD, BLOCKSPARSE_VARLEN_LSE
 
 from . import _spmd
 from ._executor import info, run_plan, target
@@ -39,6 +42,15 @@ def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_sc
     (docs/index_validation.md).
     Returns [Tq, Hq, D] in q's dtype.
     """
+    arrays = _arrays(q, k, v, cu_seqlens_k, cu_seqlens_q, sparse_layout, block_size, max_seqlen,
+                     validate_indices)
+    return _spmd.call(BLOCKSPARSE_VARLEN, _blocksparse, arrays, config=config,
+                      **_options(sm_scale, block_size, q_block_size, max_seqlen))[0]
+
+
+def _arrays(q, k, v, cu_seqlens_k, cu_seqlens_q, sparse_layout, block_size, max_seqlen,
+            validate_indices) -> dict:
+    """The op's arrays by name (after the opt-in index validation)."""
     crow, col = (jnp.asarray(x) for x in sparse_layout)
     if index_validation(validate_indices, cu_seqlens_k, cu_seqlens_q, crow, col) \
             and q.ndim == 3 and k.ndim == 3:
@@ -49,21 +61,106 @@ def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_sc
     arrays = dict(q=q, k=k, v=v, cu_seqlens_k=cu_seqlens_k, crow=crow, col=col)
     if cu_seqlens_q is not None:
         arrays["cu_seqlens_q"] = cu_seqlens_q
-    return _spmd.call(
-        BLOCKSPARSE_VARLEN, _blocksparse, arrays,
-        sm_scale=None if sm_scale is None else as_float("sm_scale", sm_scale, finite=False),
-        block_size=as_int("block_size", block_size),
-        q_block_size=None if q_block_size is None else as_int("q_block_size", q_block_size),
-        max_seqlen=None if max_seqlen is None else as_int("max_seqlen", max_seqlen), config=config)[0]
+    return arrays
+
+
+def _options(sm_scale, block_size, q_block_size, max_seqlen) -> dict:
+    return dict(sm_scale=None if sm_scale is None else as_float("sm_scale", sm_scale, finite=False),
+                block_size=as_int("block_size", block_size),
+                q_block_size=None if q_block_size is None else as_int("q_block_size", q_block_size),
+                max_seqlen=None if max_seqlen is None else as_int("max_seqlen", max_seqlen))
+
+
+def _planned(planner, arrays, names, **options):
+    tgt = target(arrays)
+    plan = planner(tgt, *(None if arrays.get(n) is None else info(arrays[n]) for n in names), **options)
+    return run_plan(plan, arrays, tgt)
+
+
+_FWD_NAMES = ("q", "k", "v", "cu_seqlens_k", "cu_seqlens_q", "crow", "col")
 
 
 def _blocksparse(arrays, **options):
-    tgt = target(arrays)
-    cu_q = arrays.get("cu_seqlens_q")
-    plan = plan_blocksparse_attention(
-        tgt, *(info(arrays[n]) for n in ("q", "k", "v", "cu_seqlens_k")),
-        None if cu_q is None else info(cu_q), info(arrays["crow"]), info(arrays["col"]), **options)
-    return run_plan(plan, arrays, tgt)
+    return _planned(plan_blocksparse_attention, arrays, _FWD_NAMES, **options)
+
+
+# ---------------------------------------------------------------- training
+def blocksparse_flash_attn_varlen_fwd_lse(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_scale, sparse_layout,
+                                          *, block_size=64, q_block_size=None, max_seqlen=None,
+                                          config=None, validate_indices=None):
+    """The forward a gradient needs: (output [Tq, Hq, D] q's dtype, lse [Tq, Hq]
+    float32, the natural-log LSE of each row's scaled scores). Arguments as
+    :func:`blocksparse_flash_attn_varlen_fwd`; ``config``: None or a
+    BlocksparsePrefillConfig."""
+    arrays = _arrays(q, k, v, cu_seqlens_k, cu_seqlens_q, sparse_layout, block_size, max_seqlen,
+                     validate_indices)
+    return _spmd.call(BLOCKSPARSE_VARLEN_LSE, _blocksparse_lse, arrays, config=config,
+                      **_options(sm_scale, block_size, q_block_size, max_seqlen))
+
+
+def _blocksparse_lse(arrays, **options):
+    return _planned(plan_blocksparse_attention_lse, arrays, _FWD_NAMES, **options)
+
+
+def blocksparse_flash_attn_varlen_backward(q, k, v, output, lse, grad_output, cu_seqlens_k, cu_seqlens_q,
+                                           sm_scale, sparse_layout, *, block_size=64, q_block_size=None,
+                                           max_seqlen=None, config=None):
+    """Gradients (dq [Tq, Hq, D], dk, dv [Tk, Hkv, D], q's dtype) of
+    blocksparse_flash_attn_varlen_fwd for the output gradient ``grad_output``
+    [Tq, Hq, D] (q's dtype), from the forward's arguments and the ``output`` and
+    ``lse`` of :func:`blocksparse_flash_attn_varlen_fwd_lse`. Deterministic.
+    ``config``: None or a BlocksparseBackwardConfig."""
+    arrays = _arrays(q, k, v, cu_seqlens_k, cu_seqlens_q, sparse_layout, block_size, max_seqlen, False)
+    arrays.update(output=output, lse=lse, grad_output=grad_output)
+    return _spmd.call(BLOCKSPARSE_VARLEN_BACKWARD, _blocksparse_backward, arrays, config=config,
+                      **_options(sm_scale, block_size, q_block_size, max_seqlen))
+
+
+def _blocksparse_backward(arrays, **options):
+    return _planned(plan_blocksparse_attention_backward, arrays,
+                    ("q", "k", "v", "output", "lse", "grad_output") + _FWD_NAMES[3:], **options)
+
+
+def with_vjp(forward, forward_lse, backward):
+    """The public op: ``forward`` (with its vmap rule) under a ``jax.custom_vjp``
+    whose forward rule runs ``forward_lse`` (saving output and LSE) and whose
+    backward runs ``backward`` (both with their vmap rules), as merge_attn_states'
+    with_vjp. Outside any transformation (no traced q, k, v) it is ``forward``.
+    Differentiating a call with a decode config raises ValueError."""
+    @functools.wraps(forward)
+    def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_scale, sparse_layout,
+                                          *, block_size=64, q_block_size=None, max_seqlen=None,
+                                          config=None, validate_indices=None):
+        if not any(isinstance(x, jax.core.Tracer) for x in (q, k, v)):
+            return forward(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_scale, sparse_layout,
+                           block_size=block_size, q_block_size=q_block_size, max_seqlen=max_seqlen,
+                           config=config, validate_indices=validate_indices)
+        opts = dict(block_size=block_size, q_block_size=q_block_size, max_seqlen=max_seqlen)
+
+        # the index arrays travel as primal arguments (never closed over: they may be traced)
+        @jax.custom_vjp
+        def attn(q, k, v, cu_k, cu_q, crow, col):
+            return forward(q, k, v, cu_k, cu_q, sm_scale, (crow, col), config=config,
+                           validate_indices=validate_indices, **opts)
+
+        def attn_fwd(q, k, v, cu_k, cu_q, crow, col):
+            if config is not None and not isinstance(config, BlocksparsePrefillConfig):
+                raise ValueError(NO_DECODE_CONFIG + f", got {type(config).__name__}")
+            out, lse = forward_lse(q, k, v, cu_k, cu_q, sm_scale, (crow, col), config=config,
+                                   validate_indices=validate_indices, **opts)
+            return out, (q, k, v, out, lse, cu_k, cu_q, crow, col)
+
+        def attn_bwd(res, grad_output):
+            q, k, v, out, lse, cu_k, cu_q, crow, col = res
+            dq, dk, dv = backward(q, k, v, out, lse, grad_output, cu_k, cu_q, sm_scale, (crow, col),
+                                  **opts)
+            return dq, dk, dv, None, None, None, None
+
+        attn.defvjp(attn_fwd, attn_bwd)
+        crow, col = sparse_layout
+        return attn(q, k, v, cu_seqlens_k, cu_seqlens_q, jnp.asarray(crow), jnp.asarray(col))
+
+    return blocksparse_flash_attn_varlen_fwd
 
 
 def _put(x, device):
@@ -136,8 +233,10 @@ class LocalStridedBlockSparseAttn:
 
     def varlen_attn(self, q, k, v, cu_seqlens_k, cu_seqlens_q=None, sm_scale=None, *, config=None,
                     validate_indices=None):
+        # the package's public op: with its vmap rule and its VJP (jax.grad works)
+        from . import blocksparse_flash_attn_varlen_fwd as public
         sm_scale = sm_scale or 1.0 / math.sqrt(q.shape[-1])
-        return blocksparse_flash_attn_varlen_fwd(
+        return public(
             q, k, v, cu_seqlens_k, cu_seqlens_q, sm_scale, self.sparse_layout,
             block_size=self.block_size, q_block_size=self.q_block_size, max_seqlen=self.max_seqlen,
             config=config, validate_indices=validate_indices)

@@ -415,6 +415,12 @@ def _blocksparse_prepare(size, batched, arrays, label):
     return arrays, (), batched | {"crow", "col"}
 
 
+def _blocksparse_train_rule(axes):
+    """The LSE forward and the backward: heads, as the forward (their configs do
+    not depend on the head count: nothing to pin)."""
+    return generic_rule(axes.name, axes, _blocksparse_prepare)
+
+
 def _blocksparse_rule(size, batched, arrays, static, call):
     axes = _axes.BLOCKSPARSE_VARLEN
     for n in axes.unbatchable:
@@ -498,6 +504,13 @@ RULES = {
     "blocksparse_flash_attn_varlen_fwd": (("q", "k", "v", "cu_seqlens_k", "cu_seqlens_q",
                                            "sparse_layout"), _blocksparse_rule,
                                           {"sparse_layout": ("crow", "col")}),
+    "blocksparse_flash_attn_varlen_fwd_lse": (
+        ("q", "k", "v", "cu_seqlens_k", "cu_seqlens_q", "sparse_layout"),
+        _blocksparse_train_rule(_axes.BLOCKSPARSE_VARLEN_LSE), {"sparse_layout": ("crow", "col")}),
+    "blocksparse_flash_attn_varlen_backward": (
+        ("q", "k", "v", "output", "lse", "grad_output", "cu_seqlens_k", "cu_seqlens_q",
+         "sparse_layout"),
+        _blocksparse_train_rule(_axes.BLOCKSPARSE_VARLEN_BACKWARD), {"sparse_layout": ("crow", "col")}),
     "context_attention_fwd": (("q", "k", "v", "k_cache", "v_cache") + _INDEX
                               + ("alibi_slopes", "sinks", "output", "k_scale", "v_scale",
                                  "fp8_out_scale"), _context_rule, None),

@@ -10,9 +10,11 @@ import torch
 
 from core_kernels import _index_check
 from core_kernels._plan import as_float, as_int, decode_config, encode_config
-from core_kernels.blocksparse_attention import (build_sparse_layout, local_strided_pattern,
-                                                get_head_sliding_step,
-                                                plan_blocksparse_attention, vllm_sparse_attn_mask)
+from core_kernels.blocksparse_attention import (NO_DECODE_CONFIG, BlocksparsePrefillConfig,
+                                                build_sparse_layout, local_strided_pattern,
+                                                get_head_sliding_step, plan_blocksparse_attention,
+                                                plan_blocksparse_attention_backward,
+                                                plan_blocksparse_attention_lse, vllm_sparse_attn_mask)
 
 from ._executor import planned, run_plan
 from ._index_validation import check_indices, index_validation
@@ -34,8 +36,93 @@ def _bsattn_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_k
     return run_plan(plan, tensors, None, device)["output"]
 
 
+# ---------------------------------------------------------------- autograd
+# The backward needs each query row's LSE, which the inference op does not
+# compute: a call that needs a gradient runs the functional op
+# blocksparse_flash_attn_varlen_fwd_lse (the forward kernel's LSE variant; it has
+# the backward) and returns its output.
+def _tensors(q, k, v, cu_seqlens_k, cu_seqlens_q, crow, col, **more) -> dict:
+    tensors = dict(q=q, k=k, v=v, cu_seqlens_k=cu_seqlens_k, crow=crow, col=col, **more)
+    if cu_seqlens_q is not None:
+        tensors["cu_seqlens_q"] = cu_seqlens_q
+    return tensors
+
+
+def _lse_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_k: torch.Tensor,
+              cu_seqlens_q: Optional[torch.Tensor], crow: torch.Tensor, col: torch.Tensor,
+              sm_scale: Optional[float], block_size: int, q_block_size: Optional[int],
+              max_seqlen: Optional[int], config: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    plan, device = planned(plan_blocksparse_attention_lse,
+                           dict(q=q, k=k, v=v, cu_seqlens_k=cu_seqlens_k, cu_seqlens_q=cu_seqlens_q,
+                                crow=crow, col=col),
+                           sm_scale=sm_scale, block_size=block_size, q_block_size=q_block_size,
+                           max_seqlen=max_seqlen, config=decode_config(config))
+    env = run_plan(plan, _tensors(q, k, v, cu_seqlens_k, cu_seqlens_q, crow, col), None, device)
+    return env["output"], env["lse"]
+
+
+def _lse_fake(q, k, v, cu_seqlens_k, cu_seqlens_q, crow, col, *options):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty(q.shape[:2], dtype=torch.float32))
+
+
+def _backward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, output: torch.Tensor,
+                   lse: torch.Tensor, grad_output: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                   cu_seqlens_q: Optional[torch.Tensor], crow: torch.Tensor, col: torch.Tensor,
+                   sm_scale: Optional[float], block_size: int, q_block_size: Optional[int],
+                   max_seqlen: Optional[int], config: Optional[str]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    plan, device = planned(plan_blocksparse_attention_backward,
+                           dict(q=q, k=k, v=v, output=output, lse=lse, grad_output=grad_output,
+                                cu_seqlens_k=cu_seqlens_k, cu_seqlens_q=cu_seqlens_q, crow=crow, col=col),
+                           sm_scale=sm_scale, block_size=block_size, q_block_size=q_block_size,
+                           max_seqlen=max_seqlen, config=decode_config(config))
+    env = run_plan(plan, _tensors(q, k, v, cu_seqlens_k, cu_seqlens_q, crow, col, output=output,
+                                  lse=lse, grad_output=grad_output), None, device)
+    return tuple(env[r] for r in plan.results)
+
+
+def _backward_fake(q, k, v, output, lse, grad_output, *rest):
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+
+
+_backward_op = custom_op("blocksparse_flash_attn_varlen_backward", _backward_impl, fake=_backward_fake)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_k, cu_q, crow, col, sm_scale, block_size, q_block_size, max_seqlen, _ = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_k, cu_q, crow, col)
+    ctx.options = (sm_scale, block_size, q_block_size, max_seqlen)
+    ctx.mark_non_differentiable(lse)  # an internal result: the public op returns the output only
+
+
+def _backward(ctx, grad_output, grad_lse):
+    q, k, v, out, lse, cu_k, cu_q, crow, col = ctx.saved_tensors
+    # NOTE: the kernels read dO with unit stride along D and layout constexpr strides
+    # for its rows; an expanded or permuted gradient (a sum()'s) is copied once
+    grad_output = grad_output.contiguous()
+    dq, dk, dv = _backward_op(q, k, v, out, lse, grad_output, cu_k, cu_q, crow, col, *ctx.options, None)
+    return (dq, dk, dv) + (None,) * 9
+
+
+_lse_op = custom_op("blocksparse_flash_attn_varlen_fwd_lse", _lse_impl, fake=_lse_fake,
+                    autograd=(_backward, _setup_context))
+
+
+def _bsattn_differentiable(q, k, v, cu_seqlens_k, cu_seqlens_q, crow, col, sm_scale, block_size,
+                           q_block_size, max_seqlen, config):
+    """The forward op's call when a gradient is needed: through the LSE op."""
+    decoded = decode_config(config)
+    if decoded is not None and not isinstance(decoded, BlocksparsePrefillConfig):
+        raise ValueError(NO_DECODE_CONFIG + f", got {type(decoded).__name__}")
+    return _lse_op(q, k, v, cu_seqlens_k, cu_seqlens_q, crow, col, sm_scale, block_size, q_block_size,
+                   max_seqlen, config)[0]
+
+
 _bsattn_op = custom_op("blocksparse_flash_attn_varlen_fwd", _bsattn_impl,
-                       fake=lambda q, *args: torch.empty_like(q, memory_format=torch.contiguous_format))
+                       fake=lambda q, *args: torch.empty_like(q, memory_format=torch.contiguous_format),
+                       differentiable=_bsattn_differentiable)
 
 
 def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_scale, sparse_layout,
@@ -67,6 +154,12 @@ def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_sc
             never; None (default) follows TANDEM_VALIDATE_INDICES (docs/index_validation.md).
     Returns: [Tq, Hq, D] in q's dtype. No host synchronisation (unless validating):
     works under torch.compile(fullgraph=True) and in CUDA graphs.
+
+    Autograd: when grad mode is on and q, k or v requires grad, the call runs
+    ``tandem_attn::blocksparse_flash_attn_varlen_fwd_lse`` (the prefill kernel,
+    also saving each row's LSE; a decode ``config`` is refused with ValueError)
+    whose backward (``blocksparse_flash_attn_varlen_backward``, deterministic:
+    no atomics) gives dq, dk, dv in q's dtype. No double backward.
     """
     crow, col = sparse_layout
     if index_validation(validate_indices, cu_seqlens_k, cu_seqlens_q, crow, col):

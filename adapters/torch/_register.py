@@ -76,12 +76,17 @@ def custom_op(name: str, impl, mutates_args=(), fake=None, autograd=None, differ
     functional ops with a backward and copies the results into the written
     arguments; a call that needs a backward runs it instead of the op (eagerly
     and under torch.compile). Calls that need no backward are unchanged.
+    A functional op may pass one too, when its backward needs more than the op
+    computes (block-sparse attention: the LSE): ``differentiable`` then returns
+    the op's results through another functional op that has the backward; the
+    registered op itself keeps refusing gradients (a dispatcher call cannot be
+    rerouted).
     """
     op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=mutates_args)(impl)
     op.register_fake(fake if fake is not None else (lambda *args, **kwargs: None))
     has_backward = autograd is not None
-    if differentiable is not None and (has_backward or not mutates_args):
-        raise ValueError(f"{name}: differentiable= is for in-place ops without autograd=")
+    if differentiable is not None and has_backward:
+        raise ValueError(f"{name}: differentiable= is for ops without autograd=")
     if has_backward:
         op.register_autograd(autograd[0], setup_context=autograd[1])
     elif not mutates_args:  # torch.library accepts autograd formulas for functional ops only

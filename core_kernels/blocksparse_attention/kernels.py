@@ -31,6 +31,8 @@ import triton.language as tl
 from .._triton_utils import jit
 
 LOG2E = 1.4426950408889634
+# kernels read module constants only as tl.constexpr (the GPU compiler refuses plain globals)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 # NOTE: tl.sum / tl.max / tl.cumsum / tl.zeros are themselves @triton.jit
@@ -135,6 +137,73 @@ def _bsattn_fwd_kernel(
     BLOCK_D: tl.constexpr, GROUP: tl.constexpr, B_P2: tl.constexpr, NNZ_P2: tl.constexpr,
     CNT_CHUNK: tl.constexpr, DECODE_Q: tl.constexpr, EVEN_D: tl.constexpr,
     IS_FP32: tl.constexpr, QK_SCALE: tl.constexpr,
+):
+    # the inference forward: no LSE (out_ptr stands in for the unused lse_ptr)
+    _bsattn_fwd_program(
+        q_ptr, k_ptr, v_ptr, cu_k_ptr, cu_q_ptr, crow_ptr, col_ptr, num_seqs, out_ptr, out_ptr,
+        num_heads, num_rows, head_size, num_queries_per_kv, stride_qt, stride_qh,
+        stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+        stride_crow_h, stride_col_h, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D,
+        GROUP, B_P2, NNZ_P2, CNT_CHUNK, DECODE_Q, EVEN_D,
+        IS_FP32, QK_SCALE, False)
+
+
+@jit
+def _bsattn_fwd_lse_kernel(
+    # input pointers
+    q_ptr, k_ptr, v_ptr, cu_k_ptr, cu_q_ptr, crow_ptr, col_ptr,
+    # runtime scalars
+    num_seqs,
+    # output pointers
+    out_ptr, lse_ptr,
+    # constexprs
+    num_heads: tl.constexpr, num_rows: tl.constexpr, head_size: tl.constexpr,
+    num_queries_per_kv: tl.constexpr,
+    stride_qt: tl.constexpr, stride_qh: tl.constexpr, stride_kt: tl.constexpr,
+    stride_kh: tl.constexpr, stride_vt: tl.constexpr, stride_vh: tl.constexpr,
+    stride_ot: tl.constexpr, stride_oh: tl.constexpr, stride_crow_h: tl.constexpr,
+    stride_col_h: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, GROUP: tl.constexpr, B_P2: tl.constexpr, NNZ_P2: tl.constexpr,
+    CNT_CHUNK: tl.constexpr, DECODE_Q: tl.constexpr, EVEN_D: tl.constexpr,
+    IS_FP32: tl.constexpr, QK_SCALE: tl.constexpr,
+):
+    """The forward used when a gradient is needed: also writes each query row's
+    natural-log LSE of the scaled scores, lse [Tq, Hq] fp32 (the backward's input)."""
+    _bsattn_fwd_program(
+        q_ptr, k_ptr, v_ptr, cu_k_ptr, cu_q_ptr, crow_ptr, col_ptr, num_seqs, out_ptr, lse_ptr,
+        num_heads, num_rows, head_size, num_queries_per_kv, stride_qt, stride_qh,
+        stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+        stride_crow_h, stride_col_h, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D,
+        GROUP, B_P2, NNZ_P2, CNT_CHUNK, DECODE_Q, EVEN_D,
+        IS_FP32, QK_SCALE, True)
+
+
+# NOTE: one body for both forward kernels, inlined by Triton: with STORE_LSE False
+# the LSE code is pruned at compile time. The sm_90 PTX of _bsattn_fwd_kernel
+# (1x16384 Phi-3-small, bf16) differs from the pre-LSE kernel only in the
+# layout of the early-exit branch (programs past the last tile: one setp/bra
+# pair, the other blocks renumbered); every arithmetic instruction, load and
+# store is the same, so the inference forward's results are unchanged and its
+# speed is not measurably affected (offline compile diff, 2026-11-24).
+# NOTE (LSE): the backward needs each row's LSE. Storing it from the forward
+# costs one [BLOCK_M] store per tile; recomputing it in the backward would
+# repeat the forward's QK^T and exp2 work (about half a forward). So a
+# gradient-needing call runs _bsattn_fwd_lse_kernel and saves the LSE.
+@triton.jit
+def _bsattn_fwd_program(
+    q_ptr, k_ptr, v_ptr, cu_k_ptr, cu_q_ptr, crow_ptr, col_ptr, num_seqs, out_ptr, lse_ptr,
+    num_heads: tl.constexpr, num_rows: tl.constexpr, head_size: tl.constexpr,
+    num_queries_per_kv: tl.constexpr,
+    stride_qt: tl.constexpr, stride_qh: tl.constexpr, stride_kt: tl.constexpr,
+    stride_kh: tl.constexpr, stride_vt: tl.constexpr, stride_vh: tl.constexpr,
+    stride_ot: tl.constexpr, stride_oh: tl.constexpr, stride_crow_h: tl.constexpr,
+    stride_col_h: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, GROUP: tl.constexpr, B_P2: tl.constexpr, NNZ_P2: tl.constexpr,
+    CNT_CHUNK: tl.constexpr, DECODE_Q: tl.constexpr, EVEN_D: tl.constexpr,
+    IS_FP32: tl.constexpr, QK_SCALE: tl.constexpr,
+    STORE_LSE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     i_h = pid % num_heads   # heads fastest: the heads of one KV group run together (L2 reuse)
@@ -245,6 +314,10 @@ def _bsattn_fwd_kernel(
     b_o = acc / l_safe[:, None]
     p_o = out_ptr + q_rows[:, None] * stride_ot + i_h * stride_oh + o_d[None, :]
     tl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
+    if STORE_LSE:
+        # natural log (the usual softmax_lse convention); rows with no key keep -inf
+        b_lse = tl.where(l_i > 0.0, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
+        tl.store(lse_ptr + q_rows * num_heads + i_h, b_lse, mask=m_m)   # lse [Tq, Hq]
 
 
 @triton.jit

@@ -19,7 +19,7 @@ from .._plan import (FLOAT_DTYPES, FP32_MAX, INT32_MAX, ITEMSIZE, ArrayInfo, Buf
                      check_inner_contiguous, check_ndim, config_class, memoize, next_pow2)
 from .._target import Target
 from .kernels import (LOG2E, _bsattn_combine_kernel, _bsattn_decode_group_kernel,
-                      _bsattn_decode_kernel, _bsattn_fwd_kernel)
+                      _bsattn_decode_kernel, _bsattn_fwd_kernel, _bsattn_fwd_lse_kernel)
 
 MAX_HEAD_SIZE = 256
 BLOCK_SIZES = (16, 32, 64, 128, 256)
@@ -400,16 +400,23 @@ _INPUTS = dict(q_ptr="q", k_ptr="k", v_ptr="v", cu_k_ptr="cu_seqlens_k", crow_pt
                col_ptr="col")
 
 
-def _prefill_launch(p: _Problem, config: BlocksparsePrefillConfig) -> Launch:
-    bm = config.block_m
+def _query_tiles(p: _Problem, bm: int) -> int:
+    """A bound on the query tiles of all sequences (the prefill grid's tiles)."""
     q_tokens = p.b if p.decode_only else p.tq
     # tiles of one sequence <= ceil(q_len / BM) + 1 (alignment) and <= ceil(max_seqlen / BM)
-    n_flat = min(cdiv(q_tokens, bm) + 2 * p.b, p.b * cdiv(p.max_seqlen, bm))
+    return min(cdiv(q_tokens, bm) + 2 * p.b, p.b * cdiv(p.max_seqlen, bm))
+
+
+def _prefill_launch(p: _Problem, config: BlocksparsePrefillConfig, with_lse: bool = False) -> Launch:
+    """_bsattn_fwd_kernel, or with ``with_lse`` _bsattn_fwd_lse_kernel (also writes
+    buffer "lse" [Tq, Hq] fp32: the variant a backward needs)."""
+    bm = config.block_m
+    n_flat = _query_tiles(p, bm)
     return Launch(
-        kernel=_bsattn_fwd_kernel, grid=(n_flat * p.hq,),
+        kernel=_bsattn_fwd_lse_kernel if with_lse else _bsattn_fwd_kernel, grid=(n_flat * p.hq,),
         params=dict(_INPUTS, cu_q_ptr="cu_seqlens_q" if p.has_cu_q else "cu_seqlens_k",
-                    num_seqs=Scalar(p.b), out_ptr="output"),
-        writes=("out_ptr",),
+                    num_seqs=Scalar(p.b), out_ptr="output", **({"lse_ptr": "lse"} if with_lse else {})),
+        writes=("out_ptr", "lse_ptr") if with_lse else ("out_ptr",),
         constexprs=dict(num_heads=p.hq, num_rows=p.nb, head_size=p.d, num_queries_per_kv=p.qpk,
                         **p.layout, BLOCK_SIZE=p.block_size, BLOCK_M=bm, BLOCK_N=config.block_n,
                         BLOCK_D=p.d_pad, GROUP=p.group, B_P2=max(2, next_pow2(p.b)),

@@ -82,3 +82,62 @@ def blocksparse_attention_reference(q, k, v, cu_seqlens_k, cu_seqlens_q, block_m
             p = np.exp(s)
             out[cu_q[i]:cu_q[i + 1], h] = (p / p.sum(1, keepdims=True)) @ vv
     return out
+
+
+def blocksparse_attention_backward_reference(q, k, v, cu_seqlens_k, cu_seqlens_q, block_mask,
+                                             grad_output, *, block_size, sm_scale=None,
+                                             q_block_size=None):
+    """float64 gradients (dq [Tq, Hq, D], dk [Tk, Hkv, D], dv [Tk, Hkv, D]) of
+    ``sum(grad_output * blocksparse_attention_reference(...))``, written from
+    the math: per sequence and head, with S = scale * Q K^T (allowed entries),
+    P = softmax(S), O = P V:
+        dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dO * O)),
+        dQ = scale * dS K,  dK = scale * dS^T Q;
+    GQA: a KV head's dk / dv sum over the query heads that read it. Tokens
+    outside every sequence get zero gradients. Arguments as
+    :func:`blocksparse_attention_reference`."""
+    q = np.asarray(q, np.float64)
+    k = np.asarray(k, np.float64)
+    v = np.asarray(v, np.float64)
+    go = np.asarray(grad_output, np.float64)
+    tq, hq, d = q.shape
+    hkv = k.shape[1]
+    cu_k = np.asarray(cu_seqlens_k, np.int64)
+    b = len(cu_k) - 1
+    if cu_seqlens_q is None:
+        cu_q = np.arange(b + 1) if tq == b else cu_k
+    else:
+        cu_q = np.asarray(cu_seqlens_q, np.int64)
+    scale = 1.0 / np.sqrt(d) if sm_scale is None else float(sm_scale)
+    bm = np.asarray(block_mask, bool)
+    if bm.shape[0] == 1:
+        bm = np.broadcast_to(bm, (hq,) + bm.shape[1:])
+    nb = bm.shape[1]
+    m = 1 if q_block_size is None else q_block_size // block_size
+    if m > 1:
+        groups = -(-nb // m)
+        pad = np.zeros((hq, groups * m, nb), bool)
+        pad[:, :nb] = bm
+        bm = np.repeat(pad.reshape(hq, groups, m, nb).any(2), m, axis=1)[:, :nb]
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for i in range(b):
+        kl = cu_k[i + 1] - cu_k[i]
+        ql = cu_q[i + 1] - cu_q[i]
+        qpos = kl - ql + np.arange(ql)
+        kpos = np.arange(kl)
+        qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        for h in range(hq):
+            g = h // (hq // hkv)
+            allowed = bm[h][qpos[:, None] // block_size, kpos[None, :] // block_size]
+            allowed &= kpos[None, :] <= qpos[:, None]
+            s = np.where(allowed, q[qs, h] @ k[ks, g].T * scale, -np.inf)
+            s -= s.max(1, keepdims=True)
+            p = np.exp(s)
+            p /= p.sum(1, keepdims=True)
+            o = p @ v[ks, g]
+            dv[ks, g] += p.T @ go[qs, h]
+            dp = go[qs, h] @ v[ks, g].T
+            ds = p * (dp - (go[qs, h] * o).sum(1, keepdims=True))
+            dq[qs, h] = scale * ds @ k[ks, g]
+            dk[ks, g] += scale * ds.T @ q[qs, h]
+    return dq, dk, dv

@@ -1,0 +1,405 @@
+"""Triton kernels for the backward of block-sparse varlen attention (framework-free).
+
+Four launches, all deterministic (no atomics of any kind: every gradient
+element is written by exactly one program, which sums its terms in a fixed
+order):
+
+- ``_bsattn_bwd_colmask_kernel``: the transposed layout. For each layout head
+  and key block kb, a bit set over query-block rows: bit qb of word qb // 32 is
+  set iff a query tile in row qb attends to kb (the union over the rows of its
+  q block when q_block_size > block_size, exactly as the forward walks it;
+  only kb <= qb, later blocks being causally masked). Built on the device
+  from (crow, col), so it needs no host copy of the layout.
+- ``_bsattn_bwd_preprocess_kernel``: delta = rowsum(dO * O) per (token, head).
+- ``_bsattn_bwd_dq_kernel``: one program per (query tile, query head), the
+  forward's tile schedule and column walk; dQ = scale * dS @ K with
+  dS = P * (dP - delta), P recomputed from the forward's saved LSE.
+- ``_bsattn_bwd_dkdv_kernel``: one program per (key tile, KV head). It walks
+  the query heads of its GQA group in order and, for each, the rows set in the
+  transposed layout (ascending), so dK = scale * dS^T @ Q and dV = P^T @ dO
+  are summed over the group's heads without atomics.
+
+Scores are handled in base 2 as in the forward: P = exp2(qk * QK_SCALE - lse * log2(e)),
+QK_SCALE = sm_scale * log2(e); the saved lse is the natural-log LSE [Tq, Hq].
+"""
+import triton
+import triton.language as tl
+
+from .._triton_utils import jit
+from .kernels import _add, _sum
+
+LOG2E = tl.constexpr(1.4426950408889634)   # a constexpr: the GPU compiler refuses plain globals
+
+ROWS_PER_WORD = tl.constexpr(32)  # rows of the transposed layout per int32 word
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _dot(a, b, IS_FP32: tl.constexpr):
+    """a @ b with fp32 accumulation: exact fp32 products for fp32 inputs (as the
+    forward), else the inputs' 16-bit type (b's; a is cast)."""
+    if IS_FP32:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a.to(b.dtype), b)
+
+
+@jit
+def _bsattn_bwd_colmask_kernel(
+    # input pointers
+    crow_ptr, col_ptr,
+    # output pointers
+    colmask_ptr,
+    # constexprs
+    num_rows: tl.constexpr, stride_crow_h: tl.constexpr, stride_col_h: tl.constexpr,
+    GROUP: tl.constexpr, WORDS: tl.constexpr, KC: tl.constexpr, CNT_CHUNK: tl.constexpr,
+):
+    """Program (layout head, word w): colmask[h, kb, w] for every key block kb,
+    one bit per query row qb in [32 w, 32 w + 32)."""
+    pid = tl.program_id(0)
+    i_w = pid % WORDS
+    i_h = pid // WORDS
+    p_crow = crow_ptr + i_h * stride_crow_h
+    p_col = col_ptr + i_h * stride_col_h
+    o_k = tl.arange(0, KC)
+    o_c = tl.arange(0, CNT_CHUNK)
+    for kc in range(0, num_rows, KC):
+        kb = kc + o_k                                                     # [KC] key blocks
+        acc = kb * 0
+        for r in range(ROWS_PER_WORD):
+            qb = i_w * ROWS_PER_WORD + r
+            if qb < num_rows:
+                g0 = (qb // GROUP) * GROUP
+                hits = kb * 0
+                for rr in tl.static_range(GROUP):
+                    row = g0 + rr
+                    row_c = tl.minimum(row, num_rows - 1)
+                    start = tl.load(p_crow + row_c)
+                    end = tl.where(row < num_rows, tl.load(p_crow + row_c + 1), start)
+                    for off in range(start, end, CNT_CHUNK):
+                        o = off + o_c
+                        b_c = tl.load(p_col + o, mask=o < end, other=-1)  # [CNT_CHUNK]
+                        hits += _sum((kb[:, None] == b_c[None, :]).to(tl.int32), 1)
+                hit = (hits > 0) & (kb <= qb)
+                acc = acc | (hit.to(tl.int32) << r)
+        tl.store(colmask_ptr + (i_h * num_rows + kb) * WORDS + i_w, acc, mask=kb < num_rows)
+
+
+@jit
+def _bsattn_bwd_preprocess_kernel(
+    # input pointers
+    out_ptr, do_ptr,
+    # runtime scalars
+    num_tokens,
+    # output pointers
+    delta_ptr,
+    # constexprs
+    num_heads: tl.constexpr, head_size: tl.constexpr, stride_ot: tl.constexpr,
+    stride_oh: tl.constexpr, stride_dot: tl.constexpr, stride_doh: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """delta [Tq, Hq] fp32 = rowsum(dO * O): one program per (token tile, head)."""
+    pid = tl.program_id(0)
+    i_h = pid % num_heads
+    i_t = pid // num_heads
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    o_d = tl.arange(0, BLOCK_D)
+    m_t = o_t < num_tokens
+    m = m_t[:, None] & (o_d < head_size)[None, :]
+    rows = o_t.to(tl.int64)
+    b_o = tl.load(out_ptr + rows[:, None] * stride_ot + i_h * stride_oh + o_d[None, :], mask=m,
+                  other=0.0).to(tl.float32)
+    b_do = tl.load(do_ptr + rows[:, None] * stride_dot + i_h * stride_doh + o_d[None, :], mask=m,
+                   other=0.0).to(tl.float32)
+    tl.store(delta_ptr + rows * num_heads + i_h, _sum(b_o * b_do, 1), mask=m_t)
+
+
+@triton.jit
+def _dq_step(b_dq, b_q, b_do, b_lse2, b_delta, k_ptrs, v_ptrs, kpos, q_pos, k_len, row_ok, m_dk,
+             MASKED: tl.constexpr, HAS_ROW_MASK: tl.constexpr, EVEN_D: tl.constexpr,
+             IS_FP32: tl.constexpr, QK_SCALE: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] step of dQ: k_ptrs / v_ptrs address K^T / V^T tiles
+    [BLOCK_D, BLOCK_N]; MASKED applies the causal mask and key bounds."""
+    if MASKED:
+        m_k = kpos < k_len
+        if EVEN_D:
+            m_kd = m_k[None, :]
+        else:
+            m_kd = m_k[None, :] & m_dk
+        b_kt = tl.load(k_ptrs, mask=m_kd, other=0.0)                         # [BLOCK_D, BLOCK_N]
+        b_vt = tl.load(v_ptrs, mask=m_kd, other=0.0)
+    else:
+        if EVEN_D:
+            b_kt = tl.load(k_ptrs)
+            b_vt = tl.load(v_ptrs)
+        else:
+            b_kt = tl.load(k_ptrs, mask=m_dk, other=0.0)
+            b_vt = tl.load(v_ptrs, mask=m_dk, other=0.0)
+    b_s = _dot(b_q, b_kt, IS_FP32)                                            # [BLOCK_M, BLOCK_N]
+    b_p = tl.math.exp2(b_s * QK_SCALE - b_lse2[:, None])
+    if MASKED:
+        m_s = kpos[None, :] <= q_pos[:, None]
+        if HAS_ROW_MASK:
+            m_s = m_s & row_ok[:, None]
+        b_p = tl.where(m_s, b_p, 0.0)
+    b_dp = _dot(b_do, b_vt, IS_FP32)                                          # [BLOCK_M, BLOCK_N]
+    b_ds = b_p * (b_dp - b_delta[:, None])
+    return b_dq + _dot(b_ds, tl.trans(b_kt), IS_FP32)                         # [BLOCK_M, BLOCK_D]
+
+
+@jit
+def _bsattn_bwd_dq_kernel(
+    # input pointers
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_k_ptr, cu_q_ptr, crow_ptr, col_ptr,
+    # runtime scalars
+    num_seqs,
+    # output pointers
+    dq_ptr,
+    # constexprs
+    num_heads: tl.constexpr, num_rows: tl.constexpr, head_size: tl.constexpr,
+    num_queries_per_kv: tl.constexpr,
+    stride_qt: tl.constexpr, stride_qh: tl.constexpr, stride_kt: tl.constexpr,
+    stride_kh: tl.constexpr, stride_vt: tl.constexpr, stride_vh: tl.constexpr,
+    stride_dot: tl.constexpr, stride_doh: tl.constexpr, stride_crow_h: tl.constexpr,
+    stride_col_h: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, GROUP: tl.constexpr, B_P2: tl.constexpr, NNZ_P2: tl.constexpr,
+    CNT_CHUNK: tl.constexpr, DECODE_Q: tl.constexpr, EVEN_D: tl.constexpr, IS_FP32: tl.constexpr,
+    QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
+):
+    """dQ [Tq, Hq, D] (q's dtype): the forward's tile schedule and column walk."""
+    pid = tl.program_id(0)
+    i_h = pid % num_heads
+    flat = tl.num_programs(0) // num_heads - 1 - pid // num_heads   # heaviest tiles first
+
+    # ---- tile schedule from cu_seqlens, on the device (as the forward)
+    o_b = tl.arange(0, B_P2)
+    m_b = o_b < num_seqs
+    k_lo_b = tl.load(cu_k_ptr + o_b, mask=m_b, other=0)
+    k_len_b = tl.load(cu_k_ptr + o_b + 1, mask=m_b, other=0) - k_lo_b
+    if DECODE_Q:  # no cu_seqlens_q, one query per sequence
+        q_lo_b = o_b
+        q_len_b = tl.where(m_b, 1, 0)
+    else:
+        q_lo_b = tl.load(cu_q_ptr + o_b, mask=m_b, other=0)
+        q_len_b = tl.load(cu_q_ptr + o_b + 1, mask=m_b, other=0) - q_lo_b
+    past_b = k_len_b - q_len_b
+    first_b = past_b // BLOCK_M
+    tiles_b = tl.where(q_len_b > 0, (k_len_b + BLOCK_M - 1) // BLOCK_M - first_b, 0)
+    end_b = tl.associative_scan(tiles_b, 0, _add)
+    i_b = _sum((end_b <= flat).to(tl.int32), 0)
+    if i_b >= num_seqs:
+        return
+    sel = o_b == i_b
+    k_lo = _sum(tl.where(sel, k_lo_b, 0), 0)
+    k_len = _sum(tl.where(sel, k_len_b, 0), 0)
+    q_lo = _sum(tl.where(sel, q_lo_b, 0), 0)
+    past = _sum(tl.where(sel, past_b, 0), 0)
+    tile = _sum(tl.where(sel, first_b + flat - end_b + tiles_b, 0), 0)
+
+    # ---- query tile: q, dO, LSE (base 2), delta
+    o_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_m = (o_m >= past) & (o_m < k_len)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < head_size
+    q_rows = (q_lo + o_m - past).to(tl.int64)
+    m_md = m_m[:, None] & m_d[None, :]
+    b_q = tl.load(q_ptr + q_rows[:, None] * stride_qt + i_h * stride_qh + o_d[None, :], mask=m_md,
+                  other=0.0)                                                  # [BLOCK_M, BLOCK_D]
+    b_do = tl.load(do_ptr + q_rows[:, None] * stride_dot + i_h * stride_doh + o_d[None, :],
+                   mask=m_md, other=0.0)
+    b_lse2 = tl.load(lse_ptr + q_rows * num_heads + i_h, mask=m_m, other=0.0) * LOG2E
+    b_delta = tl.load(delta_ptr + q_rows * num_heads + i_h, mask=m_m, other=0.0)
+
+    i_kvh = (i_h // num_queries_per_kv).to(tl.int64)
+    k_base = k_ptr + k_lo.to(tl.int64) * stride_kt + i_kvh * stride_kh
+    v_base = v_ptr + k_lo.to(tl.int64) * stride_vt + i_kvh * stride_vh
+    o_n = tl.arange(0, BLOCK_N)
+    k_offs = o_n[None, :] * stride_kt + o_d[:, None]                          # [BLOCK_D, BLOCK_N]: K^T
+    v_offs = o_n[None, :] * stride_vt + o_d[:, None]                          # V^T
+    m_dk = m_d[:, None]
+    p_crow = crow_ptr + i_h * stride_crow_h
+    p_col = col_ptr + i_h * stride_col_h
+    qb = (tile * BLOCK_M) // BLOCK_SIZE
+    SUB: tl.constexpr = BLOCK_SIZE // BLOCK_N
+
+    b_dq = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    if GROUP == 1:
+        start = tl.load(p_crow + qb)
+        end = tl.load(p_crow + qb + 1)
+        n_below = start * 0   # columns below the tile's row: no mask (ascending columns)
+        for off in range(start, end, CNT_CHUNK):
+            o_c = off + tl.arange(0, CNT_CHUNK)
+            b_c = tl.load(p_col + o_c, mask=o_c < end, other=2147483647)
+            n_below += _sum((b_c < qb).to(tl.int32), 0)
+        for j in range(start * SUB, (start + n_below) * SUB):
+            c = tl.load(p_col + j // SUB)
+            kstart = (c * BLOCK_SIZE + (j % SUB) * BLOCK_N).to(tl.int64)
+            b_dq = _dq_step(b_dq, b_q, b_do, b_lse2, b_delta, k_base + kstart * stride_kt + k_offs,
+                            v_base + kstart * stride_vt + v_offs, kstart + o_n, o_m, k_len, m_m, m_dk,
+                            False, False, EVEN_D, IS_FP32, QK_SCALE)
+        for j in range((start + n_below) * SUB, end * SUB):
+            c = tl.load(p_col + j // SUB)
+            kstart = (c * BLOCK_SIZE + (j % SUB) * BLOCK_N).to(tl.int64)
+            b_dq = _dq_step(b_dq, b_q, b_do, b_lse2, b_delta, k_base + kstart * stride_kt + k_offs,
+                            v_base + kstart * stride_vt + v_offs, kstart + o_n, o_m, k_len, m_m, m_dk,
+                            True, False, EVEN_D, IS_FP32, QK_SCALE)
+    else:
+        # the union of the q block's rows, each column once (as the forward)
+        g0 = (qb // GROUP) * GROUP
+        for r in tl.static_range(GROUP):
+            row = g0 + r
+            row_c = tl.minimum(row, num_rows - 1)
+            start = tl.load(p_crow + row_c)
+            end = tl.where(row < num_rows, tl.load(p_crow + row_c + 1), start)
+            for j in range(start * SUB, end * SUB):
+                c = tl.load(p_col + j // SUB)
+                drop = c * 0
+                for r2 in tl.static_range(r):
+                    s2 = tl.load(p_crow + g0 + r2)
+                    e2 = tl.load(p_crow + g0 + r2 + 1)
+                    o_c = s2 + tl.arange(0, NNZ_P2)
+                    b_c = tl.load(p_col + o_c, mask=o_c < e2, other=-1)
+                    drop += _sum((b_c == c).to(tl.int32), 0)
+                kstart = (c * BLOCK_SIZE + (j % SUB) * BLOCK_N).to(tl.int64)
+                b_dq = _dq_step(b_dq, b_q, b_do, b_lse2, b_delta,
+                                k_base + kstart * stride_kt + k_offs,
+                                v_base + kstart * stride_vt + v_offs, kstart + o_n, o_m, k_len,
+                                (o_m * 0 + drop) == 0, m_dk, True, True, EVEN_D, IS_FP32, QK_SCALE)
+
+    b_dq = b_dq * SM_SCALE
+    p_dq = dq_ptr + q_rows[:, None] * (num_heads * head_size) + i_h * head_size + o_d[None, :]
+    tl.store(p_dq, b_dq.to(dq_ptr.dtype.element_ty), mask=m_md)
+
+
+@triton.jit
+def _dkdv_step(b_dk, b_dv, b_k, b_v, q_ptr, do_ptr, lse_ptr, delta_ptr, i_h, q_lo, past, k_len,
+               qstart, o_n, o_d, m_d, num_heads: tl.constexpr, stride_qt: tl.constexpr,
+               stride_qh: tl.constexpr, stride_dot: tl.constexpr, stride_doh: tl.constexpr,
+               BLOCK_M: tl.constexpr, IS_FP32: tl.constexpr, QK_SCALE: tl.constexpr):
+    """One [BLOCK_N, BLOCK_M] step of dK / dV over the query tile at absolute
+    position qstart of head i_h (transposed scores: keys are the rows)."""
+    o_m = qstart + tl.arange(0, BLOCK_M)
+    m_m = (o_m >= past) & (o_m < k_len)
+    q_rows = (q_lo + o_m - past).to(tl.int64)
+    m_md = m_m[:, None] & m_d[None, :]
+    b_q = tl.load(q_ptr + q_rows[:, None] * stride_qt + i_h * stride_qh + o_d[None, :], mask=m_md,
+                  other=0.0)                                                  # [BLOCK_M, BLOCK_D]
+    b_do = tl.load(do_ptr + q_rows[:, None] * stride_dot + i_h * stride_doh + o_d[None, :],
+                   mask=m_md, other=0.0)
+    b_lse2 = tl.load(lse_ptr + q_rows * num_heads + i_h, mask=m_m, other=0.0) * LOG2E
+    b_delta = tl.load(delta_ptr + q_rows * num_heads + i_h, mask=m_m, other=0.0)
+    b_st = _dot(b_k, tl.trans(b_q), IS_FP32)                                  # [BLOCK_N, BLOCK_M]
+    b_pt = tl.math.exp2(b_st * QK_SCALE - b_lse2[None, :])
+    # causal (key <= query) within the sequence's query rows; keys past k_len
+    # fall out with it (query < k_len)
+    b_pt = tl.where((o_n[:, None] <= o_m[None, :]) & m_m[None, :], b_pt, 0.0)
+    b_dv += _dot(b_pt, b_do, IS_FP32)                                         # [BLOCK_N, BLOCK_D]
+    b_dpt = _dot(b_v, tl.trans(b_do), IS_FP32)                                # [BLOCK_N, BLOCK_M]
+    b_dst = b_pt * (b_dpt - b_delta[None, :])
+    b_dk += _dot(b_dst, b_q, IS_FP32)                                         # [BLOCK_N, BLOCK_D]
+    return b_dk, b_dv
+
+
+@jit
+def _bsattn_bwd_dkdv_kernel(
+    # input pointers
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_k_ptr, cu_q_ptr, colmask_ptr,
+    # runtime scalars
+    num_seqs,
+    # output pointers
+    dk_ptr, dv_ptr,
+    # constexprs
+    num_heads: tl.constexpr, num_kv_heads: tl.constexpr, num_rows: tl.constexpr,
+    head_size: tl.constexpr, num_queries_per_kv: tl.constexpr,
+    stride_qt: tl.constexpr, stride_qh: tl.constexpr, stride_kt: tl.constexpr,
+    stride_kh: tl.constexpr, stride_vt: tl.constexpr, stride_vh: tl.constexpr,
+    stride_dot: tl.constexpr, stride_doh: tl.constexpr, stride_mask_h: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, B_P2: tl.constexpr, WORDS: tl.constexpr, DECODE_Q: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    IS_FP32: tl.constexpr, QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
+):
+    """dK, dV [Tk, Hkv, D] (k's dtype): program (key tile, KV head) sums over the
+    query heads of its group and the query rows of the transposed layout."""
+    pid = tl.program_id(0)
+    i_kvh = pid % num_kv_heads
+    flat = pid // num_kv_heads    # a sequence's first key tiles (the most rows) first
+
+    # ---- key tile schedule from cu_seqlens: every key of every sequence (a key no
+    # query attends to gets zero gradients, written here)
+    o_b = tl.arange(0, B_P2)
+    m_b = o_b < num_seqs
+    k_lo_b = tl.load(cu_k_ptr + o_b, mask=m_b, other=0)
+    k_len_b = tl.load(cu_k_ptr + o_b + 1, mask=m_b, other=0) - k_lo_b
+    if DECODE_Q:  # no cu_seqlens_q, one query per sequence
+        q_lo_b = o_b
+        q_len_b = tl.where(m_b, 1, 0)
+    else:
+        q_lo_b = tl.load(cu_q_ptr + o_b, mask=m_b, other=0)
+        q_len_b = tl.load(cu_q_ptr + o_b + 1, mask=m_b, other=0) - q_lo_b
+    tiles_b = (k_len_b + BLOCK_N - 1) // BLOCK_N
+    end_b = tl.associative_scan(tiles_b, 0, _add)
+    i_b = _sum((end_b <= flat).to(tl.int32), 0)
+    if i_b >= num_seqs:
+        return
+    sel = o_b == i_b
+    k_lo = _sum(tl.where(sel, k_lo_b, 0), 0)
+    k_len = _sum(tl.where(sel, k_len_b, 0), 0)
+    q_lo = _sum(tl.where(sel, q_lo_b, 0), 0)
+    q_len = _sum(tl.where(sel, q_len_b, 0), 0)
+    past = k_len - q_len
+    tile = _sum(tl.where(sel, flat - end_b + tiles_b, 0), 0)
+
+    kstart = tile * BLOCK_N
+    o_n = kstart + tl.arange(0, BLOCK_N)                                      # key positions
+    m_n = o_n < k_len
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < head_size
+    m_nd = m_n[:, None] & m_d[None, :]
+    k_rows = (k_lo + o_n).to(tl.int64)
+    b_k = tl.load(k_ptr + k_rows[:, None] * stride_kt + i_kvh * stride_kh + o_d[None, :], mask=m_nd,
+                  other=0.0)                                                  # [BLOCK_N, BLOCK_D]
+    b_v = tl.load(v_ptr + k_rows[:, None] * stride_vt + i_kvh * stride_vh + o_d[None, :], mask=m_nd,
+                  other=0.0)
+    b_dk = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
+    b_dv = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
+
+    kb = kstart // BLOCK_SIZE
+    r_lo = tl.maximum(kb, past // BLOCK_SIZE)        # query rows that can see this key block
+    r_hi = (k_len - 1) // BLOCK_SIZE                 # inclusive
+    o_x = tl.arange(0, 32)
+    SUBM: tl.constexpr = BLOCK_SIZE // BLOCK_M
+    if q_len > 0:
+        for hh in range(num_queries_per_kv):
+            i_h = i_kvh * num_queries_per_kv + hh
+            p_mask = colmask_ptr + (i_h * stride_mask_h + kb) * WORDS
+            for w in range(r_lo // 32, r_hi // 32 + 1):
+                bits = tl.load(p_mask + w)
+                lo = r_lo - w * 32
+                hi = r_hi - w * 32
+                keep = tl.reduce(tl.where((o_x >= lo) & (o_x <= hi), 1 << o_x, 0), 0, _or)
+                bits = bits & keep
+                n_set = _sum((bits >> o_x) & 1, 0)
+                for _ in range(0, n_set):
+                    low = bits & (-bits)                                  # lowest set bit
+                    bits = bits ^ low
+                    # its index: the fp32 exponent of the power of two (bit 31: -2^31)
+                    x = ((low.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 255) - 127
+                    qb = w * 32 + x
+                    for i in tl.static_range(SUBM):
+                        qstart = qb * BLOCK_SIZE + i * BLOCK_M
+                        # skip sub-tiles wholly outside the sequence's queries or before the keys
+                        if (qstart + BLOCK_M > past) & (qstart < k_len) & (qstart + BLOCK_M > kstart):
+                            b_dk, b_dv = _dkdv_step(
+                                b_dk, b_dv, b_k, b_v, q_ptr, do_ptr, lse_ptr, delta_ptr, i_h, q_lo,
+                                past, k_len, qstart, o_n, o_d, m_d, num_heads, stride_qt, stride_qh,
+                                stride_dot, stride_doh, BLOCK_M, IS_FP32, QK_SCALE)
+
+    b_dk = b_dk * SM_SCALE
+    p_out = k_rows[:, None] * (num_kv_heads * head_size) + i_kvh * head_size + o_d[None, :]
+    tl.store(dk_ptr + p_out, b_dk.to(dk_ptr.dtype.element_ty), mask=m_nd)
+    tl.store(dv_ptr + p_out, b_dv.to(dv_ptr.dtype.element_ty), mask=m_nd)

@@ -1,0 +1,228 @@
+"""Block-sparse varlen attention backward: the float64 reference against finite
+differences, both adapters against the reference (homo and per-head layouts,
+GQA, varlen with q_len <= k_len, merged q blocks), torch vs JAX bitwise,
+determinism, opcheck, torch.compile, the module, jax.jit / vmap.
+
+CPU budget: every case is tiny (block 16, D 16, <= 4 layout blocks) because the
+kernels run under Triton's interpreter in CI; larger shapes run on a GPU only.
+"""
+import numpy as np
+import pytest
+import torch
+
+import adapters.torch as at
+from adapters.torch._register import OPS
+from core_kernels.blocksparse_attention import (BlocksparseDecodeConfig, blocksparse_attention_backward_reference,
+                                                blocksparse_attention_reference, build_sparse_layout)
+from harness import (DEVICE, GPU, JaxAdapter, TorchAdapter, assert_bitwise_equal, assert_close, cast, rng,
+                     to_jax, to_torch, torch_to_numpy)
+
+BACKEND = "inductor" if GPU else "aot_eager"
+BS = 16
+
+
+def make_case(lens, hq, hkv, d, dtype, *, nb=4, local=1, stride=2, homo=False, seed=None, bs=BS):
+    """Packed sequences ``lens`` = [(q_len, k_len)], a layout of ``nb`` blocks of
+    BS (crow/col int32, one head when homo), fresh normal inputs and dO."""
+    g = rng(seed)
+    (crow, col), mask = build_sparse_layout(1 if homo else hq, nb * bs, bs, local, stride, homo)
+    cu_q = np.cumsum([0] + [a for a, _ in lens]).astype(np.int32)
+    cu_k = np.cumsum([0] + [b for _, b in lens]).astype(np.int32)
+    q = cast(g.standard_normal((cu_q[-1], hq, d)), dtype)
+    k = cast(g.standard_normal((cu_k[-1], hkv, d)), dtype)
+    v = cast(g.standard_normal((cu_k[-1], hkv, d)), dtype)
+    go = cast(g.standard_normal((cu_q[-1], hq, d)), dtype)
+    return dict(q=q, k=k, v=v, go=go, cu_k=cu_k, cu_q=cu_q, crow=np.ascontiguousarray(crow),
+                col=np.ascontiguousarray(col), mask=mask, max_seqlen=nb * bs, bs=bs)
+
+
+def reference(c, sm_scale, q_block_size=None):
+    f = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    return blocksparse_attention_backward_reference(f(c["q"]), f(c["k"]), f(c["v"]), c["cu_k"], c["cu_q"],
+                                                    c["mask"], f(c["go"]), block_size=c["bs"],
+                                                    sm_scale=sm_scale, q_block_size=q_block_size)
+
+
+def check_grads(got, want, dtype):
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert np.asarray(g).dtype == cast(np.zeros(1), dtype).dtype, f"{name}: dtype {np.asarray(g).dtype}"
+        # sums over up to 64 keys (and a GQA group) of products of dtype-rounded values
+        assert_close(g, w, dtype, name, scale=4.0)
+
+
+# ------------------------------------------------------------------ core reference
+def test_reference_matches_finite_differences():
+    c = make_case([(5, 9), (3, 3)], 2, 1, 3, "float64", nb=1, seed=0)
+    bs_small = 4   # 3 layout blocks of 4 tokens over 9 keys: sparse inside the sequence
+    (crow, col), mask = build_sparse_layout(2, 12, bs_small, 1, 2, False)
+    args = [c["q"], c["k"], c["v"]]
+
+    def loss(q, k, v):
+        out = blocksparse_attention_reference(q, k, v, c["cu_k"], c["cu_q"], mask, block_size=bs_small,
+                                              sm_scale=0.7)
+        return (out * c["go"]).sum()
+
+    want = blocksparse_attention_backward_reference(*args, c["cu_k"], c["cu_q"], mask, c["go"],
+                                                    block_size=bs_small, sm_scale=0.7)
+    eps = 1e-6
+    for i, (x, w) in enumerate(zip(args, want)):
+        fd = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            plus, minus = [a.copy() for a in args], [a.copy() for a in args]
+            plus[i][idx] += eps
+            minus[i][idx] -= eps
+            fd[idx] = (loss(*plus) - loss(*minus)) / (2 * eps)
+        np.testing.assert_allclose(w, fd, rtol=1e-6, atol=1e-7, err_msg=f"argument {i}")
+
+
+# ------------------------------------------------------------------ both adapters
+# (lens, hq, hkv, d, homo, q_block_size): per-head GQA varlen (prefill, cached
+# prefix, a sequence in the middle of a block) and a homo layout with q blocks of
+# two layout rows over odd head size
+CASES = {
+    "perhead-gqa-varlen": ([(20, 36), (13, 13), (9, 25)], 4, 2, 16, False, None),
+    "homo-qblock32-D24": ([(30, 30), (7, 19)], 2, 1, 24, True, 32),
+}
+DTYPE_OF = {"perhead-gqa-varlen": "float32", "homo-qblock32-D24": "float16"}
+
+
+class BlocksparseBackwardTests:
+    """numpy in, numpy (dq, dk, dv) out, per adapter."""
+
+    def grads(self, c, sm_scale, q_block_size=None, jit=False):
+        raise NotImplementedError
+
+    @pytest.mark.parametrize("case", list(CASES))
+    def test_matches_reference(self, case):
+        lens, hq, hkv, d, homo, qbs = CASES[case]
+        dtype = DTYPE_OF[case]
+        c = make_case(lens, hq, hkv, d, dtype, homo=homo)
+        check_grads(self.grads(c, 0.3, qbs), reference(c, 0.3, qbs), dtype)
+
+
+class TestTorch(TorchAdapter, BlocksparseBackwardTests):
+    def grads(self, c, sm_scale, q_block_size=None, module=None):
+        q, k, v = (to_torch(c[n]).requires_grad_(True) for n in ("q", "k", "v"))
+        args = (to_torch(c["cu_k"]), to_torch(c["cu_q"]))
+        if module is not None:
+            out = module(q, k, v, *args, sm_scale=sm_scale)
+        else:
+            out = at.blocksparse_flash_attn_varlen_fwd(q, k, v, *args, sm_scale,
+                                                       (to_torch(c["crow"]), to_torch(c["col"])),
+                                                       block_size=c["bs"], q_block_size=q_block_size,
+                                                       max_seqlen=c["max_seqlen"])
+        assert out.grad_fn is not None
+        out.backward(to_torch(c["go"]))
+        return [torch_to_numpy(x.grad) for x in (q, k, v)]
+
+    def test_module_forward_and_no_grad_path(self):
+        c = make_case([(32, 32)], 2, 1, 16, "float32", homo=False)
+        mod = at.LocalStridedBlockSparseAttn(2, 64, 1, 2, BS, device=DEVICE, homo_head=False)
+        (crow, col), mask = build_sparse_layout(2, 64, BS, 1, 2, False)
+        c.update(mask=mask)
+        check_grads(self.grads(c, 0.25, module=mod), reference(c, 0.25), "float32")
+        q, k, v = (to_torch(c[n]).requires_grad_(True) for n in ("q", "k", "v"))
+        with torch.no_grad():
+            out = mod(q, k, v, to_torch(c["cu_k"]))
+        assert out.grad_fn is None
+
+    def test_decode_config_with_grad_is_refused(self):
+        c = make_case([(1, 20), (1, 9)], 2, 1, 16, "float32")
+        q = to_torch(c["q"]).requires_grad_(True)
+        with pytest.raises(ValueError, match="config: a call that needs a gradient"):
+            at.blocksparse_flash_attn_varlen_fwd(q, to_torch(c["k"]), to_torch(c["v"]), to_torch(c["cu_k"]),
+                                                 None, 0.3, (to_torch(c["crow"]), to_torch(c["col"])),
+                                                 block_size=BS, config=BlocksparseDecodeConfig(1))
+
+    def test_compile_fullgraph_grads_equal_eager(self):
+        c = make_case([(16, 24)], 2, 1, 16, "float32", nb=2, seed=3)
+        layout, cu_k, cu_q, go = (to_torch(c["crow"]), to_torch(c["col"])), to_torch(c["cu_k"]), \
+            to_torch(c["cu_q"]), to_torch(c["go"])
+
+        def f(q, k, v):
+            out = at.blocksparse_flash_attn_varlen_fwd(q, k, v, cu_k, cu_q, 0.3, layout, block_size=BS,
+                                                       max_seqlen=32)
+            return (out * go).sum()
+
+        grads = []
+        torch._dynamo.reset()
+        for fn in (f, torch.compile(f, fullgraph=True, backend=BACKEND)):
+            inputs = [to_torch(c[n]).requires_grad_(True) for n in ("q", "k", "v")]
+            fn(*inputs).backward()
+            grads.append([torch_to_numpy(x.grad) for x in inputs])
+        for e, g in zip(*grads):
+            assert_bitwise_equal(g, e, "compiled vs eager gradient")
+
+    def test_opcheck(self):
+        c = make_case([(16, 16)], 2, 1, 16, "float32", nb=1, seed=4)
+        q, k, v, go = (to_torch(c[n]) for n in ("q", "k", "v", "go"))
+        idx = [to_torch(c[n]) for n in ("cu_k", "cu_q", "crow", "col")]
+        opts = [0.3, BS, None, 16, None]
+        args = [q.clone().requires_grad_(True), k.clone().requires_grad_(True), v.clone().requires_grad_(True),
+                *idx, *opts]
+        torch.library.opcheck(OPS["blocksparse_flash_attn_varlen_fwd_lse"].op, args)
+        out, lse = OPS["blocksparse_flash_attn_varlen_fwd_lse"].op(q, k, v, *idx, *opts)
+        torch.library.opcheck(OPS["blocksparse_flash_attn_varlen_backward"].op,
+                              [q, k, v, out, lse, go, *idx, *opts])
+
+    def test_double_backward_is_refused(self):
+        c = make_case([(16, 16)], 2, 1, 16, "float32", nb=1)
+        q, k, v = (to_torch(c[n]).requires_grad_(True) for n in ("q", "k", "v"))
+        out = at.blocksparse_flash_attn_varlen_fwd(q, k, v, to_torch(c["cu_k"]), None, 0.3,
+                                                   (to_torch(c["crow"]), to_torch(c["col"])), block_size=BS)
+        with pytest.raises(RuntimeError, match="blocksparse_flash_attn_varlen_backward has no backward"):
+            torch.autograd.grad((out * to_torch(c["go"])).sum(), q, create_graph=True)
+
+
+class TestJax(JaxAdapter, BlocksparseBackwardTests):
+    def grads(self, c, sm_scale, q_block_size=None, jit=False):
+        import jax
+        import adapters.jax as aj
+
+        def loss(q, k, v, go, cu_k, cu_q, crow, col):
+            out = aj.blocksparse_flash_attn_varlen_fwd(q, k, v, cu_k, cu_q, sm_scale, (crow, col),
+                                                       block_size=c["bs"], q_block_size=q_block_size,
+                                                       max_seqlen=c["max_seqlen"])
+            return (out.astype(np.float32) * go.astype(np.float32)).sum()
+
+        fn = jax.grad(loss, argnums=(0, 1, 2))
+        if jit:
+            fn = jax.jit(fn)
+        got = fn(*(to_jax(c[n]) for n in ("q", "k", "v", "go", "cu_k", "cu_q", "crow", "col")))
+        return [np.asarray(x) for x in got]
+
+    def test_module_and_vmap_of_grad(self):
+        import jax
+        import adapters.jax as aj
+        mod = aj.LocalStridedBlockSparseAttn(2, 32, 1, 2, BS, homo_head=True)
+        cases = [make_case([(16, 16), (8, 16)], 2, 1, 16, "float32", nb=2, homo=True) for _ in range(2)]
+        cu_k, cu_q = to_jax(cases[0]["cu_k"]), to_jax(cases[0]["cu_q"])
+
+        def loss(q, k, v, go):
+            return (mod(q, k, v, cu_k, cu_q, sm_scale=0.3) * go).sum()
+
+        stacked = [to_jax(np.stack([c[n] for c in cases])) for n in ("q", "k", "v", "go")]
+        vg = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))(*stacked)
+        for i, c in enumerate(cases):
+            check_grads([np.asarray(x[i]) for x in vg], reference(c, 0.3), "float32")
+
+
+def test_torch_and_jax_gradients_bitwise_equal_and_deterministic():
+    lens, hq, hkv, d, homo, qbs = CASES["perhead-gqa-varlen"]
+    c = make_case(lens, hq, hkv, d, "float32", homo=homo)
+    t1 = TestTorch().grads(c, 0.3, qbs)
+    t2 = TestTorch().grads(c, 0.3, qbs)
+    j = TestJax().grads(c, 0.3, qbs, jit=True)
+    for name, a, b, e in zip(("dq", "dk", "dv"), t1, t2, j):
+        assert_bitwise_equal(a, b, f"{name}: two torch backward runs")
+        assert_bitwise_equal(a, e, f"{name}: torch vs jax")
+
+
+@pytest.mark.skipif(not GPU, reason="larger shapes on the GPU only (CI time)")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_gpu_larger_shapes(dtype):
+    c = make_case([(300, 700), (512, 512), (64, 1000)], 8, 2, 128, dtype, nb=16, local=4, stride=4, bs=64)
+    check_grads(TestTorch().grads(c, 0.1), reference(c, 0.1), dtype)
+    j = TestJax().grads(c, 0.1, jit=True)
+    for a, b in zip(TestTorch().grads(c, 0.1), j):
+        assert_bitwise_equal(a, b, "torch vs jax")

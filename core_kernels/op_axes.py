@@ -116,6 +116,18 @@ LIGHTNING_ATTENTION = OpAxes(
     fold=("batch", "heads"),     # heads when ed differs between the examples
 )
 
+LIGHTNING_ATTENTION_BACKWARD = OpAxes(
+    "lightning_attention_backward",
+    inputs={**LIGHTNING_ATTENTION.inputs, "kv": ("batch", "heads", None, None, None),
+            "grad_output": ("batch", "heads", None, None),
+            "grad_kv": ("batch", "heads", None, None, None)},
+    outputs={"grad_q": ("batch", "heads", None, None), "grad_k": ("batch", "heads", None, None),
+             "grad_v": ("batch", "heads", None, None), "grad_kv_history": ("batch", "heads", None, None),
+             "grad_ed": ("heads",)},
+    independent=("heads",),      # grad_ed sums over the batch
+    fold=("heads",),
+)
+
 LINEAR_DECODE = OpAxes(
     "linear_decode_forward_triton",
     inputs={"q": (None, "heads", None, None), "k": (None, "heads", None, None),
@@ -192,6 +204,7 @@ CONTEXT_ATTENTION_FWD = OpAxes(
 )
 
 OPS = {o.name: o for o in (MERGE_ATTN_STATES, MERGE_ATTN_STATES_BACKWARD, MASK_EMPTY_CONTEXT_LSE, LIGHTNING_ATTENTION,
+                           LIGHTNING_ATTENTION_BACKWARD,
                            LINEAR_DECODE, LIGHTNING_VARLEN, BLOCKSPARSE_VARLEN,
                            BLOCKSPARSE_VARLEN_LSE, BLOCKSPARSE_VARLEN_BACKWARD,
                            CONTEXT_ATTENTION_FWD)}

@@ -90,6 +90,12 @@ def _lightning():
                 ed=_i([0.1, 0.5], np.float32), block_size=4, output_final_state_only=False)
 
 
+def _lightning_backward():
+    d = _lightning()
+    return dict(d, kv_history=None, kv=_f32(1, 2, 3, 16, 16, seed=3), grad_output=_f32(1, 2, 8, 16, seed=4),
+                grad_kv=None, need_grad_ed=True)
+
+
 def _decode():
     return dict(q=_f32(2, 2, 1, 16), k=_f32(2, 2, 1, 16, seed=1), v=_f32(2, 2, 1, 16, seed=2),
                 kv_caches=_f32(3, 2, 16, 16, seed=3), slope_rate=_i([0.1, 0.5], np.float32),
@@ -135,6 +141,7 @@ EXAMPLES = {
     "merge_attn_states_backward": (_merge_backward, "grad_output"),   # no double backward
     "context_attention_fwd": (_prefix, "q"),
     "lightning_attention": (_lightning, "k"),
+    "lightning_attention_backward": (_lightning_backward, "grad_output"),   # no double backward
     "linear_decode_forward_triton": (_decode, "v"),
     "blocksparse_flash_attn_varlen_fwd": (_blocksparse, "q"),
     "blocksparse_flash_attn_varlen_fwd_lse": (_blocksparse_lse, "k"),

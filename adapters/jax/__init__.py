@@ -14,7 +14,7 @@ __all__ += ["LocalStridedBlockSparseAttn", "blocksparse_flash_attn_varlen_fwd", 
             "blocksparse_flash_attn_varlen_backward"]
 from ._ops_lightning import lightning_attention, linear_decode_forward_triton
 
-__all__ += ["lightning_attention", "linear_decode_forward_triton"]
+__all__ += ["lightning_attention", "lightning_attention_backward", "linear_decode_forward_triton"]
 from ._ops_lightning_varlen import lightning_attention_varlen
 
 __all__ += ["lightning_attention_varlen"]
@@ -22,11 +22,12 @@ __all__ += ["lightning_attention_varlen"]
 from ._vmap import with_vmap as _with_vmap  # noqa: E402
 
 from ._ops_merge import with_vjp as _with_vjp  # noqa: E402
+from ._ops_lightning import lightning_attention_backward, with_vjp as _with_lightning_vjp  # noqa: E402
 
 merge_attn_states_backward = _with_vmap(merge_attn_states_backward)
 merge_attn_states = _with_vjp(_with_vmap(merge_attn_states), merge_attn_states_backward)
 mask_empty_context_lse = _with_vmap(mask_empty_context_lse)
-lightning_attention = _with_vmap(lightning_attention)
+lightning_attention = _with_lightning_vjp(_with_vmap(lightning_attention))
 linear_decode_forward_triton = _with_vmap(linear_decode_forward_triton)
 lightning_attention_varlen = _with_vmap(lightning_attention_varlen)
 from ._ops_blocksparse import with_vjp as _with_bs_vjp  # noqa: E402

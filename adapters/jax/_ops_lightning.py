@@ -1,13 +1,16 @@
 """Lightning attention for JAX: functional prefill and decode, usable under jax.jit."""
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from core_kernels import _index_check
 from core_kernels._plan import as_int
 from core_kernels.lightning_attention import (check_slot_ids, plan_lightning_attention,
-                                              plan_linear_decode)
+                                              plan_lightning_attention_backward, plan_linear_decode)
 
 from core_kernels.op_axes import LIGHTNING_ATTENTION, LINEAR_DECODE
 
@@ -54,6 +57,65 @@ def _prefill(arrays, *, block_size, output_final_state_only, config):
                                     block_size=block_size,
                                     output_final_state_only=output_final_state_only, config=config)
     return run_plan(plan, arrays, tgt)
+
+
+def lightning_attention_backward(q, k, v, ed, kv_history, kv, grad_output, grad_kv, *,
+                                 block_size=256, output_final_state_only=False):
+    """Gradients of :func:`lightning_attention`: (dq, dk, dv, d kv_history float32
+    [B, H, D, E] (zeros without kv_history), d ed float32 [H]) from the forward's
+    inputs, its returned states ``kv`` and the output gradients (``grad_kv`` may
+    be None). The kernels of the torch adapter's backward (bitwise the same).
+    Not batched by jax.vmap nor partitioned (a custom call per device)."""
+    arrays = dict(q=q, k=k, v=v, ed=ed, kv=jnp.asarray(kv), grad_output=grad_output)
+    if kv_history is not None:
+        arrays["kv_history"] = kv_history
+    if grad_kv is not None:
+        arrays["grad_kv"] = grad_kv
+    tgt = target(arrays)
+    plan = plan_lightning_attention_backward(
+        tgt, *(info(arrays[n]) for n in ("q", "k", "v", "ed")),
+        None if kv_history is None else info(kv_history), info(arrays["kv"]),
+        info(grad_output), None if grad_kv is None else info(grad_kv),
+        block_size=as_int("block_size", block_size), output_final_state_only=output_final_state_only)
+    return run_plan(plan, arrays, tgt)
+
+
+def with_vjp(forward):
+    """The public prefill: ``forward`` (with its vmap rule) under a
+    ``jax.custom_vjp`` whose backward runs the backward kernels. Outside any
+    transformation (no traced array) it is ``forward`` itself."""
+    @functools.wraps(forward)
+    def lightning_attention(q, k, v, ed, block_size=256, kv_history=None,
+                            output_final_state_only=False, *, config=None):
+        primals = (q, k, v, ed) + (() if kv_history is None else (kv_history,))
+        if not any(isinstance(x, jax.core.Tracer) for x in primals):
+            return forward(q, k, v, ed, block_size, kv_history, output_final_state_only, config=config)
+        options = dict(block_size=block_size, output_final_state_only=output_final_state_only)
+
+        def run(q, k, v, ed, *hist):
+            return forward(q, k, v, ed, block_size, hist[0] if hist else None,
+                           output_final_state_only, config=config)
+
+        @jax.custom_vjp
+        def prefill(*args):
+            return run(*args)
+
+        def prefill_fwd(*args):
+            out = run(*args)
+            return out, (args, out[1])
+
+        def prefill_bwd(res, grads):
+            args, kv = res
+            q, k, v, ed, *hist = args
+            dq, dk, dv, dhist, ded = lightning_attention_backward(
+                q, k, v, ed, hist[0] if hist else None, kv, grads[0], grads[1], **options)
+            out = (dq, dk, dv, ded.reshape(ed.shape))
+            return out + ((dhist.astype(hist[0].dtype),) if hist else ())
+
+        prefill.defvjp(prefill_fwd, prefill_bwd)
+        return prefill(*primals)
+
+    return lightning_attention
 
 
 def linear_decode_forward_triton(q, k, v, kv_caches, slope_rate, slot_idx, BLOCK_SIZE=32, *,

@@ -9,7 +9,8 @@ import torch
 from core_kernels import _index_check
 from core_kernels._plan import as_int, decode_config, encode_config
 from core_kernels.lightning_attention import (check_slot_ids, plan_lightning_attention,
-                                              plan_linear_decode, prefill_state_shape)
+                                              plan_lightning_attention_backward, plan_linear_decode,
+                                              prefill_state_shape)
 
 from ._executor import planned, run_plan
 from ._index_validation import check_indices, index_validation
@@ -37,7 +38,56 @@ def _prefill_fake(q, k, v, ed, block_size, kv_history, output_final_state_only, 
                         dtype=torch.float32))
 
 
-_prefill_op = custom_op("lightning_attention", _prefill_impl, fake=_prefill_fake)
+def _backward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.Tensor,
+                   kv_history: Optional[torch.Tensor], kv: torch.Tensor, grad_output: torch.Tensor,
+                   grad_kv: Optional[torch.Tensor], block_size: int, output_final_state_only: bool,
+                   need_grad_ed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                torch.Tensor, torch.Tensor]:
+    arrays = dict(q=q, k=k, v=v, ed=ed, kv_history=kv_history, kv=kv, grad_output=grad_output,
+                  grad_kv=grad_kv)
+    plan, device = planned(plan_lightning_attention_backward, arrays, block_size=block_size,
+                           output_final_state_only=output_final_state_only, need_grad_ed=need_grad_ed)
+    env = run_plan(plan, {n: t for n, t in arrays.items() if t is not None}, device=device)
+    return tuple(env[r] for r in plan.results)
+
+
+def _backward_fake(q, k, v, ed, kv_history, kv, grad_output, grad_kv, *options):
+    b, h, n, d = q.shape
+    e = v.shape[-1]
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty((b, h, d, e), dtype=torch.float32), q.new_empty((h,), dtype=torch.float32))
+
+
+_backward_op = custom_op("lightning_attention_backward", _backward_impl, fake=_backward_fake)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, ed, block_size, kv_history, final_only, _ = inputs
+    ctx.save_for_backward(q, k, v, ed, kv_history, output[1])
+    ctx.options = (block_size, final_only)
+    ctx.history_dtype = None if kv_history is None else kv_history.dtype
+
+
+def _backward(ctx, grad_output, grad_kv):
+    q, k, v, ed, kv_history, kv = ctx.saved_tensors
+    block_size, final_only = ctx.options
+    # NOTE: the kernels read grad_output with a unit last stride and grad_kv
+    # contiguous; autograd may hand over expanded or permuted gradients
+    grad_output = torch.zeros_like(q[..., :1].expand(*q.shape[:3], v.shape[-1])) \
+        if grad_output is None else grad_output.contiguous()
+    grad_kv = None if grad_kv is None else grad_kv.contiguous()
+    dq, dk, dv, dhist, ded = _backward_op(q, k, v, ed, kv_history, kv, grad_output, grad_kv,
+                                          block_size, final_only, bool(ctx.needs_input_grad[3]))
+    if kv_history is None:
+        dhist = None
+    else:
+        dhist = dhist.to(ctx.history_dtype)
+    ded = ded.reshape(ed.shape) if ctx.needs_input_grad[3] else None
+    return dq, dk, dv, ded, None, dhist, None, None
+
+
+_prefill_op = custom_op("lightning_attention", _prefill_impl, fake=_prefill_fake,
+                        autograd=(_backward, _setup_context))
 
 
 def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.Tensor,

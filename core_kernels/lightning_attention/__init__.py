@@ -1,7 +1,8 @@
 from .plan import (LightningDecodeConfig, LightningGluonConfig, LightningTritonConfig,
                    check_slot_ids, plan_lightning_attention, plan_linear_decode,
                    prefill_state_shape)
-from .reference import lightning_attention_reference, linear_decode_reference
+from .reference import (lightning_attention_backward_reference, lightning_attention_reference,
+                        linear_decode_reference)
 
 __all__ = ["LightningTritonConfig", "LightningGluonConfig", "LightningDecodeConfig",
            "plan_lightning_attention", "plan_linear_decode", "prefill_state_shape",
@@ -12,3 +13,7 @@ from .varlen_reference import lightning_attention_varlen_reference
 
 __all__ += ["LightningVarlenConfig", "plan_lightning_attention_varlen", "check_varlen_host_data",
             "lightning_attention_varlen_reference"]
+from .backward_plan import LightningBackwardConfig, plan_lightning_attention_backward
+
+__all__ += ["LightningBackwardConfig", "plan_lightning_attention_backward",
+            "lightning_attention_backward_reference"]

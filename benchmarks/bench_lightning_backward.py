@@ -1,0 +1,95 @@
+"""Lightning attention forward + backward on the GPU, side by side with
+flash-linear-attention's chunk_simple_gla (fla-core 0.6.0, a benchmark-only
+wheel: g_gamma = -ed, scale 1, [B, T, H, D] layout, final state; the
+comparison of gpu.md) in the same run.
+
+    PYTHONPATH=. python benchmarks/bench_lightning_backward.py
+
+Shapes: B1 H64 N4096 and B4 H64 N1024, D = E = 128, bf16 and fp32, final state
+only, loss = sum(o * dO) + sum(kv * dKV). Times: median of triton's do_bench
+(L2 flushed) for forward + backward through torch autograd, every input
+requiring grad (ed too). Also checks torch vs JAX gradients bitwise and that
+the backward is bitwise deterministic. Target: ours <= 0.5x fla's time.
+Imports on a CPU-only machine; running needs a CUDA GPU.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from benchmarks.timing import kernel_time_torch
+
+SHAPES = [(1, 64, 4096, 128), (4, 64, 1024, 128)]
+
+
+def run():
+    import torch
+    import adapters.torch as at
+    try:
+        from fla.ops.simple_gla import chunk_simple_gla
+    except Exception as exc:  # noqa: BLE001 - a benchmark-only dependency
+        chunk_simple_gla = None
+        print(f"flash-linear-attention not importable ({exc}); ours only")
+    dev = "cuda"
+    for dtype in (torch.bfloat16, torch.float32):
+        for b, h, n, d in SHAPES:
+            g = torch.Generator(device="cpu").manual_seed(0)
+            q, k, v = (torch.randn(b, h, n, d, generator=g).mul(0.3).to(dev, dtype).requires_grad_()
+                       for _ in range(3))
+            ed = torch.rand(h, generator=g).mul(0.5).add(0.01).to(dev).requires_grad_()
+            do = torch.randn(b, h, n, d, generator=g).to(dev, dtype)
+            dkv = torch.randn(b, h, d, d, generator=g).to(dev)
+
+            def ours():
+                o, kv = at.lightning_attention(q, k, v, ed, 256, None, True)
+                return torch.autograd.grad((o * do).sum() + (kv * dkv).sum(), (q, k, v, ed))
+            grads = ours()
+            again = ours()
+            det = all(torch.equal(a, b_) for a, b_ in zip(grads, again))
+            t_ours = kernel_time_torch(ours)
+            t_fwd = kernel_time_torch(lambda: at.lightning_attention(q.detach(), k.detach(), v.detach(),
+                                                                     ed.detach(), 256, None, True))
+            line = (f"{str(dtype)[6:]:9s} B{b} H{h} N{n} D{d}: ours fwd {t_fwd * 1e6:7.0f} us, "
+                    f"fwd+bwd {t_ours * 1e6:7.0f} us, deterministic {det}")
+            if chunk_simple_gla is not None:
+                qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+                dot = do.transpose(1, 2).contiguous()
+                gamma = (-ed.detach()).float()
+
+                def fla():
+                    o, st = chunk_simple_gla(qt, kt, vt, g_gamma=gamma, scale=1.0, output_final_state=True)
+                    return torch.autograd.grad((o * dot).sum() + (st * dkv).sum(), (qt, kt, vt))
+                try:
+                    t_fla = kernel_time_torch(fla)
+                    line += f" | fla fwd+bwd {t_fla * 1e6:7.0f} us, ours / fla {t_ours / t_fla:.2f} (target <= 0.5)"
+                except Exception as exc:  # noqa: BLE001
+                    line += f" | fla failed: {type(exc).__name__}: {str(exc)[:120]}"
+            print(line, flush=True)
+    _torch_vs_jax()
+
+
+def _torch_vs_jax():
+    import jax
+    import jax.numpy as jnp
+    import torch
+    import adapters.jax as aj
+    import adapters.torch as at
+    rng = np.random.default_rng(1)
+    b, h, n, d = 1, 8, 1000, 64
+    q, k, v = (rng.standard_normal((b, h, n, d)).astype(np.float32) * 0.3 for _ in range(3))
+    ed = rng.uniform(0.01, 0.5, h).astype(np.float32)
+    do = rng.standard_normal((b, h, n, d)).astype(np.float32)
+    tq, tk, tv, ted = (torch.tensor(x, device="cuda", requires_grad=True) for x in (q, k, v, ed))
+    o, kv = at.lightning_attention(tq, tk, tv, ted, 256, None, False)
+    tgrads = torch.autograd.grad((o * torch.tensor(do, device="cuda")).sum() + kv.sum(), (tq, tk, tv, ted))
+
+    def loss(q, k, v, ed):
+        o, kv = aj.lightning_attention(q, k, v, ed, 256, None, False)
+        return (o * jnp.asarray(do)).sum() + kv.sum()
+    jgrads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*(jnp.asarray(x) for x in (q, k, v, ed)))
+    for name, a, j in zip(("dq", "dk", "dv", "ded"), tgrads, jgrads):
+        same = np.array_equal(a.cpu().numpy().view(np.uint32), np.asarray(j).view(np.uint32))
+        print(f"torch vs JAX {name}: {'bitwise equal' if same else 'DIFFER'}")
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,144 @@
+"""Plan of lightning attention's backward (framework-free): dq, dk, dv, the
+starting state's and (optionally) the decay rates' gradients, from the
+forward's inputs, its returned states and the output gradients. Kernels and
+math: backward_kernels.py."""
+from __future__ import annotations
+
+from .._plan import (ArrayInfo, Buffer, Launch, Plan, Scalar, cdiv, check_config, check_dtype,
+                     check_shape, config_class, memoize, next_pow2, row_major_strides)
+from .._target import Target
+from .backward_kernels import (_lightning_bwd_decay_kernel, _lightning_bwd_dkv_kernel,
+                               _lightning_bwd_dq_kernel)
+from .plan import DEFAULT_DOT_PRECISION, DOT_PRECISIONS, _validate_prefill, prefill_state_shape
+
+
+@config_class
+class LightningBackwardConfig:
+    """block_t: tokens per chunk; block_d / block_e: the D-tile of the dq and dk
+    programs and the E-tile of the dv programs (powers of two >= 16);
+    dot_precision: the products' input precision on the GPU for fp32/fp16
+    inputs ("tf32" or "ieee"; bf16 inputs multiply in bf16)."""
+    block_t: int = 64
+    block_d: int = 64
+    block_e: int = 64
+    num_warps: int = 4
+    dot_precision: str = DEFAULT_DOT_PRECISION
+
+    def __post_init__(self):
+        if self.dot_precision not in DOT_PRECISIONS:
+            raise ValueError(f"dot_precision: expected one of {DOT_PRECISIONS}, got {self.dot_precision!r}")
+        for name in ("block_t", "block_d", "block_e"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"config: {name} must be a power of two >= 16, got {value}")
+
+
+BACKWARD_RESULTS = ("grad_q", "grad_k", "grad_v", "grad_kv_history", "grad_ed")
+
+
+@memoize
+def plan_lightning_attention_backward(
+    target: Target, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, ed: ArrayInfo,
+    kv_history: ArrayInfo | None, kv: ArrayInfo, grad_output: ArrayInfo,
+    grad_kv: ArrayInfo | None, *, block_size: int = 256, output_final_state_only: bool = False,
+    need_grad_ed: bool = True, config: LightningBackwardConfig | None = None,
+) -> Plan:
+    """Plan the backward of ``plan_lightning_attention``.
+
+    q, k, v, ed, kv_history, block_size, output_final_state_only: the
+    forward's (same validation). ``kv``: the forward's returned states
+    (contiguous float32, [B, H, NB + 1, D, E] or [B, H, D, E]), read for the
+    decay's gradient; ``grad_output`` [B, H, N, E] in q's dtype, innermost dim
+    contiguous; ``grad_kv``: kv's gradient (contiguous float32, kv's shape) or
+    None (zero). Results: "grad_q", "grad_k" [B, H, N, D], "grad_v"
+    [B, H, N, E] in q's dtype; "grad_kv_history" [B, H, D, E] float32 (zeros
+    when kv_history is None); "grad_ed" [H] float32 (zeros unless
+    ``need_grad_ed``). Deterministic (no atomics).
+    """
+    check_config(config, (LightningBackwardConfig,))
+    c = config or LightningBackwardConfig()
+    p = _validate_prefill(q, k, v, ed, kv_history, block_size, output_final_state_only)
+    kv_shape = prefill_state_shape(p.b, p.h, p.n, p.d, p.e, p.block_size, p.final_only)
+    check_shape("kv", kv, kv_shape, "the forward's returned states")
+    check_dtype("kv", kv, ("float32",))
+    check_shape("grad_output", grad_output, (p.b, p.h, p.n, p.e), "[B, H, N, E]")
+    if grad_output.dtype != p.dtype:
+        raise TypeError(f"grad_output: dtype {grad_output.dtype} differs from q's {p.dtype}")
+    if grad_output.strides[3] != 1:
+        raise ValueError("grad_output: the innermost dimension must be contiguous")
+    for name, info in (("kv", kv), ("grad_kv", grad_kv)):
+        if info is None:
+            continue
+        check_shape(name, info, kv_shape, "kv's shape")
+        check_dtype(name, info, ("float32",))
+        if tuple(info.strides) != row_major_strides(kv_shape):
+            raise ValueError(f"{name}: must be contiguous (row-major), got strides {tuple(info.strides)}")
+    buffers = {"grad_q": Buffer((p.b, p.h, p.n, p.d), p.dtype),
+               "grad_k": Buffer((p.b, p.h, p.n, p.d), p.dtype),
+               "grad_v": Buffer((p.b, p.h, p.n, p.e), p.dtype),
+               "grad_kv_history": Buffer((p.b, p.h, p.d, p.e), "float32", zero_init=kv_history is None),
+               "grad_ed": Buffer((p.h,), "float32", zero_init=not need_grad_ed)}
+    if p.b == 0 or p.h == 0:
+        for name in BACKWARD_RESULTS:
+            buffers[name] = Buffer(buffers[name].shape, buffers[name].dtype, zero_init=True)
+        return Plan(buffers, (), BACKWARD_RESULTS)
+    block_d, block_e = min(c.block_d, max(16, next_pow2(p.d))), min(c.block_e, max(16, next_pow2(p.e)))
+    full_d, full_e = max(16, next_pow2(p.d)), max(16, next_pow2(p.e))
+    n_dt, n_et = cdiv(p.d, block_d), cdiv(p.e, block_e)
+    buffers["decay_parts"] = Buffer((p.b * p.h, 2 * n_dt), "float32")
+    # chunks laid out per returned state block, as the forward's (kernels.py)
+    if p.final_only:
+        block_len, chunks = c.block_t, 1
+    else:
+        block_len, chunks = p.block_size, cdiv(p.block_size, c.block_t)
+    num_blocks = cdiv(p.n, block_len)
+    tail = p.n - (num_blocks - 1) * block_len
+    num_chunks = (num_blocks - 1) * chunks + cdiv(tail, c.block_t)
+    # NOTE: bf16 inputs multiply in bf16 on the GPU (as the forward). Under the
+    # interpreter the products are fp32: its bf16 products in these kernels came
+    # out as garbage (1e10 for values of 0.3, 2026-11-24; the cause is not found),
+    # while the forward's bf16 products there are right.
+    dot_bf16 = p.dtype == "bfloat16" and target.backend != "interpreter"
+    common = dict(num_heads=Scalar(p.h), seq_len=Scalar(p.n), head_k=Scalar(p.d), head_v=Scalar(p.e),
+                  block_len=Scalar(block_len), num_chunks=Scalar(num_chunks),
+                  stride_decay=Scalar(p.ed.strides[0]),
+                  **_strides("q", p.q), **_strides("k", p.k), **_strides("v", p.v),
+                  **_strides("o", grad_output))
+    consts = dict(BLOCK_T=c.block_t, CHUNKS=chunks, DOT_BF16=dot_bf16, DOT_PRECISION=c.dot_precision)
+    hist = p.kv_history.strides[:3] if p.kv_history is not None else (0, 0, 0)
+    launches = [
+        Launch(kernel=_lightning_bwd_dq_kernel, grid=(n_dt, p.b * p.h),
+               params=dict(q_ptr="q", k_ptr="k", v_ptr="v", do_ptr="grad_output",
+                           hist_ptr="kv_history" if p.kv_history is not None else "q", decay_ptr="ed",
+                           **common, stride_hb=Scalar(hist[0]), stride_hh=Scalar(hist[1]),
+                           stride_hd=Scalar(hist[2]), dq_ptr="grad_q", part_ptr="decay_parts"),
+               writes=("dq_ptr", "part_ptr"),
+               constexprs=dict(consts, BLOCK_D=block_d, BLOCK_E=full_e, HAS_HIST=p.kv_history is not None),
+               num_warps=c.num_warps, num_stages=1)]
+    num_states = 1 if p.final_only else kv_shape[2]
+    for for_dk in (True, False):
+        launches.append(Launch(
+            kernel=_lightning_bwd_dkv_kernel, grid=(n_dt if for_dk else n_et, p.b * p.h),
+            params=dict(q_ptr="q", k_ptr="k", v_ptr="v", do_ptr="grad_output", decay_ptr="ed",
+                        kv_ptr="kv", dkv_ptr="grad_kv" if grad_kv is not None else "kv",
+                        **common, num_states=Scalar(num_states),
+                        grad_ptr="grad_k" if for_dk else "grad_v", dhist_ptr="grad_kv_history",
+                        part_ptr="decay_parts"),
+            writes=("grad_ptr", "dhist_ptr", "part_ptr"),
+            constexprs=dict(consts, BLOCK_D=block_d if for_dk else full_d,
+                            BLOCK_E=full_e if for_dk else block_e, FOR_DK=for_dk,
+                            HAS_DKV=grad_kv is not None, FINAL_ONLY=p.final_only,
+                            HAS_HIST=p.kv_history is not None),
+            num_warps=c.num_warps, num_stages=1))
+    if need_grad_ed:
+        launches.append(Launch(kernel=_lightning_bwd_decay_kernel, grid=(p.h,),
+                               params=dict(part_ptr="decay_parts", batch=Scalar(p.b),
+                                           num_heads=Scalar(p.h), num_parts=Scalar(2 * n_dt),
+                                           grad_ed_ptr="grad_ed"),
+                               writes=("grad_ed_ptr",), constexprs={}, num_warps=1, num_stages=1))
+    return Plan(buffers, tuple(launches), BACKWARD_RESULTS)
+
+
+def _strides(prefix: str, info: ArrayInfo) -> dict:
+    """stride_{prefix}b/h/t of a [B, H, N, *] array (innermost dim contiguous)."""
+    return {f"stride_{prefix}{axis}": Scalar(int(x)) for axis, x in zip("bht", info.strides[:3])}

@@ -1,0 +1,162 @@
+"""Lightning attention backward (issue 17, item 1): torch autograd and JAX
+custom_vjp over the same kernels, against the float64 token-by-token reference
+(itself checked by finite differences)."""
+import numpy as np
+import pytest
+import torch
+
+from core_kernels.lightning_attention import (lightning_attention_backward_reference,
+                                              lightning_attention_reference)
+from harness import GPU, TOL, assert_bitwise_equal, assert_close, cast, to_torch, torch_to_numpy
+
+import adapters.torch as at
+
+# (B, H, N, D, E, block_size, final_only, with history): several chunks per
+# block (N 150, block 128 > the 64-token chunk), blocks shorter than a chunk,
+# a short last block, odd D / E
+CASES = {
+    "hist-blocks16-D20E12": (2, 2, 37, 20, 12, 16, False, True),
+    "final-2chunks-per-block": (1, 2, 150, 16, 24, 128, True, False),
+    "blocks-hist-2chunks": (1, 1, 150, 8, 8, 128, False, True),
+}
+if GPU:
+    CASES["gpu-B1H8N4096-D128"] = (1, 8, 4096, 128, 128, 256, True, True)
+    CASES["gpu-B2H4N1000-D64E96"] = (2, 4, 1000, 64, 96, 256, False, True)
+
+
+def make(case, dtype, seed=0):
+    b, h, n, d, e, bs, final, hist = case
+    g = np.random.default_rng(seed)
+    q, k = (cast(g.standard_normal((b, h, n, d)) * 0.5, dtype) for _ in range(2))
+    v = cast(g.standard_normal((b, h, n, e)) * 0.5, dtype)
+    ed = g.uniform(0.02, 0.6, h).astype(np.float32)
+    kv_history = g.standard_normal((b, h, d, e)).astype(np.float32) if hist else None
+    _, kv = lightning_attention_reference(q, k, v, ed, bs, kv_history, final)
+    grad_output = cast(g.standard_normal((b, h, n, e)), dtype)
+    grad_kv = g.standard_normal(kv.shape).astype(np.float32)
+    return dict(q=q, k=k, v=v, ed=ed, kv_history=kv_history, grad_output=grad_output, grad_kv=grad_kv,
+                block_size=bs, final=final)
+
+
+def reference(c):
+    return lightning_attention_backward_reference(
+        c["q"], c["k"], c["v"], c["ed"], c["grad_output"].astype(np.float64), c["grad_kv"], c["block_size"],
+        c["kv_history"], c["final"])
+
+
+def tol_dtype(dtype):
+    # NOTE: on the GPU fp32 products run in tf32 (as the forward)
+    return "bfloat16" if GPU and dtype == "float32" else dtype
+
+
+def check(got, ref, dtype, what):
+    names = ("dq", "dk", "dv", "d kv_history", "d ed")
+    for name, a, r in zip(names, got, ref):
+        if a is None:
+            continue
+        r = np.asarray(r, np.float64)
+        scale = max(1.0, float(np.abs(r).max()))  # the decay's gradient sums over every token
+        assert_close(np.asarray(a, np.float64) / scale, r / scale, tol_dtype(dtype), f"{what} {name}")
+
+
+def torch_grads(c, ed_grad=True):
+    t = {n: to_torch(c[n]).requires_grad_(True) for n in ("q", "k", "v")}
+    ed = to_torch(c["ed"]).requires_grad_(ed_grad)
+    hist = None if c["kv_history"] is None else to_torch(c["kv_history"]).requires_grad_(True)
+    o, kv = at.lightning_attention(t["q"], t["k"], t["v"], ed, c["block_size"], hist, c["final"])
+    loss = (o.float() * to_torch(c["grad_output"]).float()).sum() + (kv * to_torch(c["grad_kv"])).sum()
+    loss.backward()
+    return [torch_to_numpy(x.grad) if x is not None and x.grad is not None else None
+            for x in (t["q"], t["k"], t["v"], hist, ed)]
+
+
+def jax_grads(c):
+    import jax
+    import jax.numpy as jnp
+    import adapters.jax as aj
+    args = [jnp.asarray(c[n]) for n in ("q", "k", "v", "ed")]
+    hist = None if c["kv_history"] is None else jnp.asarray(c["kv_history"])
+    go, gkv = jnp.asarray(c["grad_output"]).astype(jnp.float32), jnp.asarray(c["grad_kv"])
+
+    def loss(q, k, v, ed, hist):
+        o, kv = aj.lightning_attention(q, k, v, ed, c["block_size"], hist, c["final"])
+        return (o.astype(jnp.float32) * go).sum() + (kv * gkv).sum()
+    argnums = (0, 1, 2, 3, 4) if hist is not None else (0, 1, 2, 3)
+    grads = jax.jit(jax.grad(loss, argnums=argnums))(*args, hist)
+    dq, dk, dv, ded = (np.asarray(x) for x in grads[:4])
+    return [dq, dk, dv, np.asarray(grads[4]) if hist is not None else None, ded]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_torch_matches_reference(name):
+    c = make(CASES[name], "float32")
+    check(torch_grads(c), reference(c), "float32", f"torch {name}")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16"] + (["float16"] if GPU else []))
+def test_low_precision(dtype):
+    c = make(CASES["hist-blocks16-D20E12"], dtype, seed=3)
+    check(torch_grads(c), reference(c), dtype, f"torch {dtype}")
+
+
+def test_jax_matches_reference_and_torch_bitwise():
+    c = make(CASES["blocks-hist-2chunks" if not GPU else "gpu-B2H4N1000-D64E96"], "float32", seed=1)
+    j = jax_grads(c)
+    check(j, reference(c), "float32", "jax")
+    t = torch_grads(c)
+    for name, a, b in zip(("dq", "dk", "dv", "d kv_history", "d ed"), t, j):
+        assert_bitwise_equal(a, b, f"{name}: torch vs jax")
+
+
+def test_deterministic_and_ed_constant():
+    c = make(CASES["final-2chunks-per-block"], "float32", seed=2)
+    first, second = torch_grads(c), torch_grads(c)
+    for a, b in zip(first, second):
+        if a is not None:
+            assert_bitwise_equal(a, b, "run to run")
+    without = torch_grads(c, ed_grad=False)
+    assert without[4] is None
+    for a, b in zip(first[:3], without[:3]):
+        assert_bitwise_equal(a, b, "dq/dk/dv do not depend on whether ed needs a gradient")
+
+
+def test_opcheck_and_compile():
+    c = make((1, 1, 9, 8, 8, 4, False, True), "float32", seed=4)
+    args = [to_torch(c[n]).requires_grad_(True) for n in ("q", "k", "v")]
+    ed, hist = to_torch(c["ed"]).requires_grad_(True), to_torch(c["kv_history"]).requires_grad_(True)
+    torch.library.opcheck(torch.ops.tandem_attn.lightning_attention,
+                          (*args, ed, c["block_size"], hist, False, None))
+
+    def loss(q, k, v, ed, hist):
+        o, kv = at.lightning_attention(q, k, v, ed, c["block_size"], hist)
+        return o.square().sum() + kv.sum()
+    eager = torch.autograd.grad(loss(*args, ed, hist), (*args, ed, hist))
+    torch._dynamo.reset()
+    compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True)(*args, ed, hist), (*args, ed, hist))
+    for a, b in zip(eager, compiled):
+        assert_bitwise_equal(torch_to_numpy(a), torch_to_numpy(b), "compile vs eager")
+
+
+def test_reference_matches_finite_differences():
+    g = np.random.default_rng(5)
+    b, h, n, d, e, bs = 1, 2, 7, 3, 2, 3
+    q, k = g.standard_normal((2, b, h, n, d))
+    v = g.standard_normal((b, h, n, e))
+    ed, hist = g.uniform(0.05, 0.5, h), g.standard_normal((b, h, d, e))
+    for final in (False, True):
+        o, kv = lightning_attention_reference(q, k, v, ed, bs, hist, final)
+        go, gkv = g.standard_normal(o.shape), g.standard_normal(kv.shape)
+        grads = lightning_attention_backward_reference(q, k, v, ed, go, gkv, bs, hist, final)
+        args = [q, k, v, hist, ed]
+
+        def loss(*a):
+            o, kv = lightning_attention_reference(a[0], a[1], a[2], a[4], bs, a[3], final)
+            return (o * go).sum() + (kv * gkv).sum()
+        for i, grad in enumerate(grads):
+            num = np.zeros_like(args[i])
+            for idx in np.ndindex(args[i].shape):
+                up, down = [x.copy() for x in args], [x.copy() for x in args]
+                up[i][idx] += 1e-6
+                down[i][idx] -= 1e-6
+                num[idx] = (loss(*up) - loss(*down)) / 2e-6
+            np.testing.assert_allclose(grad, num, rtol=1e-6, atol=1e-6)

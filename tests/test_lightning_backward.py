@@ -45,8 +45,8 @@ def reference(c):
 
 
 def tol_dtype(dtype):
-    # NOTE: on the GPU fp32 products run in tf32 (as the forward)
-    return "bfloat16" if GPU and dtype == "float32" else dtype
+    # NOTE: on the GPU fp32 and fp16 products run in tf32 (as the forward)
+    return "bfloat16" if GPU and dtype in ("float32", "float16") else dtype
 
 
 def check(got, ref, dtype, what):

@@ -132,7 +132,7 @@ def _lightning_bwd_dq_kernel(
         b_kd = b_k * tl.where(m_r, _pow_decay(s, tl.maximum(n_valid - 1 - o_r, 0)), 0.0)[:, None]
         b_s = _dot(_t(b_kd, DOT_BF16), b_v, b_s * _pow_decay(s, n_valid), DOT_BF16, DOT_PRECISION)
     total = tl.reduce(tl.reduce(part, 1, tl.standard._sum_combine), 0, tl.standard._sum_combine)
-    tl.store(part_ptr + i_bh.to(tl.int64) * (2 * tl.num_programs(0)) + i_d, total)
+    tl.store(part_ptr + i_bh.to(tl.int64) * tl.num_programs(0) + i_d, total)
 
 
 @jit
@@ -230,17 +230,17 @@ def _lightning_bwd_dkv_kernel(
             tl.store(p_dh, b_g, mask=m_de)
         total = -tl.reduce(tl.reduce(part, 1, tl.standard._sum_combine), 0, tl.standard._sum_combine)
         total += tl.reduce(tl.reduce(part_kv, 1, tl.standard._sum_combine), 0, tl.standard._sum_combine)
-        tl.store(part_ptr + i_bh.to(tl.int64) * (2 * tl.num_programs(0)) + tl.num_programs(0) + i_t,
-                 total)
+        tl.store(part_ptr + i_bh.to(tl.int64) * tl.num_programs(0) + i_t, total)
 
 
 @jit
-def _lightning_bwd_decay_kernel(part_ptr, batch, num_heads, num_parts, grad_ed_ptr):
-    """d ed[h] = -dL/da: the partial sums of every (b, tile) of head h, in order."""
+def _lightning_bwd_decay_kernel(part_q_ptr, part_k_ptr, batch, num_heads, num_parts, grad_ed_ptr):
+    """d ed[h] = -dL/da: the partial sums of every (b, D-tile) of head h (the dQ
+    programs' and the dK programs'), in order."""
     i_h = tl.program_id(0)
     total = 0.0
     for b in range(batch):
-        row = part_ptr + (b * num_heads + i_h).to(tl.int64) * num_parts
+        row = (b * num_heads + i_h).to(tl.int64) * num_parts
         for p in range(num_parts):
-            total += tl.load(row + p)
+            total += tl.load(part_q_ptr + row + p) + tl.load(part_k_ptr + row + p)
     tl.store(grad_ed_ptr + i_h, -total)

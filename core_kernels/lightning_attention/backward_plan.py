@@ -85,7 +85,14 @@ def plan_lightning_attention_backward(
     block_d, block_e = min(c.block_d, max(16, next_pow2(p.d))), min(c.block_e, max(16, next_pow2(p.e)))
     full_d, full_e = max(16, next_pow2(p.d)), max(16, next_pow2(p.e))
     n_dt, n_et = cdiv(p.d, block_d), cdiv(p.e, block_e)
-    buffers["decay_parts"] = Buffer((p.b * p.h, 2 * n_dt), "float32")
+    # NOTE: each launch writes buffers of its own (the JAX executor takes a
+    # launch's outputs as written in full by it): the decay partials of the dQ
+    # and dK programs, and scratch that launches name but never write (the dV
+    # launch's d kv_history and partials; d kv_history without a kv_history)
+    buffers["decay_parts_q"] = Buffer((p.b * p.h, n_dt), "float32")
+    buffers["decay_parts_k"] = Buffer((p.b * p.h, n_dt), "float32")
+    buffers["unused_by_dv"] = Buffer((1,), "float32")
+    buffers["unused_by_dv_parts"] = Buffer((1,), "float32")
     # chunks laid out per returned state block, as the forward's (kernels.py)
     if p.final_only:
         block_len, chunks = c.block_t, 1
@@ -111,7 +118,7 @@ def plan_lightning_attention_backward(
                params=dict(q_ptr="q", k_ptr="k", v_ptr="v", do_ptr="grad_output",
                            hist_ptr="kv_history" if p.kv_history is not None else "q", decay_ptr="ed",
                            **common, stride_hb=Scalar(hist[0]), stride_hh=Scalar(hist[1]),
-                           stride_hd=Scalar(hist[2]), dq_ptr="grad_q", part_ptr="decay_parts"),
+                           stride_hd=Scalar(hist[2]), dq_ptr="grad_q", part_ptr="decay_parts_q"),
                writes=("dq_ptr", "part_ptr"),
                constexprs=dict(consts, BLOCK_D=block_d, BLOCK_E=full_e, HAS_HIST=p.kv_history is not None),
                num_warps=c.num_warps, num_stages=1)]
@@ -122,8 +129,10 @@ def plan_lightning_attention_backward(
             params=dict(q_ptr="q", k_ptr="k", v_ptr="v", do_ptr="grad_output", decay_ptr="ed",
                         kv_ptr="kv", dkv_ptr="grad_kv" if grad_kv is not None else "kv",
                         **common, num_states=Scalar(num_states),
-                        grad_ptr="grad_k" if for_dk else "grad_v", dhist_ptr="grad_kv_history",
-                        part_ptr="decay_parts"),
+                        grad_ptr="grad_k" if for_dk else "grad_v",
+                        dhist_ptr=("grad_kv_history" if for_dk and p.kv_history is not None
+                                   else "unused_by_dv"),
+                        part_ptr="decay_parts_k" if for_dk else "unused_by_dv_parts"),
             writes=("grad_ptr", "dhist_ptr", "part_ptr"),
             constexprs=dict(consts, BLOCK_D=block_d if for_dk else full_d,
                             BLOCK_E=full_e if for_dk else block_e, FOR_DK=for_dk,
@@ -132,8 +141,8 @@ def plan_lightning_attention_backward(
             num_warps=c.num_warps, num_stages=1))
     if need_grad_ed:
         launches.append(Launch(kernel=_lightning_bwd_decay_kernel, grid=(p.h,),
-                               params=dict(part_ptr="decay_parts", batch=Scalar(p.b),
-                                           num_heads=Scalar(p.h), num_parts=Scalar(2 * n_dt),
+                               params=dict(part_q_ptr="decay_parts_q", part_k_ptr="decay_parts_k",
+                                           batch=Scalar(p.b), num_heads=Scalar(p.h), num_parts=Scalar(n_dt),
                                            grad_ed_ptr="grad_ed"),
                                writes=("grad_ed_ptr",), constexprs={}, num_warps=1, num_stages=1))
     return Plan(buffers, tuple(launches), BACKWARD_RESULTS)

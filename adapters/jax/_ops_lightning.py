@@ -65,7 +65,9 @@ def lightning_attention_backward(q, k, v, ed, kv_history, kv, grad_output, grad_
     [B, H, D, E] (zeros without kv_history), d ed float32 [H]) from the forward's
     inputs, its returned states ``kv`` and the output gradients (``grad_kv`` may
     be None). The kernels of the torch adapter's backward (bitwise the same).
-    Not batched by jax.vmap nor partitioned (a custom call per device)."""
+    The decay's gradient is always computed (a custom VJP cannot tell whether it
+    is needed), so dq and dk use the exact products: bitwise equal to torch
+    where ed requires grad there. Not batched by jax.vmap nor partitioned."""
     arrays = dict(q=q, k=k, v=v, ed=ed, kv=jnp.asarray(kv), grad_output=grad_output)
     if kv_history is not None:
         arrays["kv_history"] = kv_history

@@ -53,7 +53,8 @@ def plan_lightning_attention_backward(
     None (zero). Results: "grad_q", "grad_k" [B, H, N, D], "grad_v"
     [B, H, N, E] in q's dtype; "grad_kv_history" [B, H, D, E] float32 (zeros
     when kv_history is None); "grad_ed" [H] float32 (zeros unless
-    ``need_grad_ed``). Deterministic (no atomics).
+    ``need_grad_ed``; then dq and dk use exact fp32 products, see
+    backward_kernels.py). Deterministic (no atomics).
     """
     check_config(config, (LightningBackwardConfig,))
     c = config or LightningBackwardConfig()
@@ -89,8 +90,8 @@ def plan_lightning_attention_backward(
     # launch's outputs as written in full by it): the decay partials of the dQ
     # and dK programs, and scratch that launches name but never write (the dV
     # launch's d kv_history and partials; d kv_history without a kv_history)
-    buffers["decay_parts_q"] = Buffer((p.b * p.h, n_dt), "float32")
-    buffers["decay_parts_k"] = Buffer((p.b * p.h, n_dt), "float32")
+    buffers["decay_parts_q"] = Buffer((p.b * p.h, n_dt, 2), "float32")
+    buffers["decay_parts_k"] = Buffer((p.b * p.h, n_dt, 2), "float32")
     buffers["unused_by_dv"] = Buffer((1,), "float32")
     buffers["unused_by_dv_parts"] = Buffer((1,), "float32")
     # chunks laid out per returned state block, as the forward's (kernels.py)
@@ -112,6 +113,8 @@ def plan_lightning_attention_backward(
                   **_strides("q", p.q), **_strides("k", p.k), **_strides("v", p.v),
                   **_strides("o", grad_output))
     consts = dict(BLOCK_T=c.block_t, CHUNKS=chunks, DOT_BF16=dot_bf16, DOT_PRECISION=c.dot_precision)
+    # the decay's gradient needs exact dq and dk (backward_kernels.py): dV keeps the fast products
+    exact = dict(consts, DOT_BF16=False, DOT_PRECISION="ieee") if need_grad_ed else consts
     hist = p.kv_history.strides[:3] if p.kv_history is not None else (0, 0, 0)
     launches = [
         Launch(kernel=_lightning_bwd_dq_kernel, grid=(n_dt, p.b * p.h),
@@ -120,7 +123,7 @@ def plan_lightning_attention_backward(
                            **common, stride_hb=Scalar(hist[0]), stride_hh=Scalar(hist[1]),
                            stride_hd=Scalar(hist[2]), dq_ptr="grad_q", part_ptr="decay_parts_q"),
                writes=("dq_ptr", "part_ptr"),
-               constexprs=dict(consts, BLOCK_D=block_d, BLOCK_E=full_e, HAS_HIST=p.kv_history is not None),
+               constexprs=dict(exact, BLOCK_D=block_d, BLOCK_E=full_e, HAS_HIST=p.kv_history is not None),
                num_warps=c.num_warps, num_stages=1)]
     num_states = 1 if p.final_only else kv_shape[2]
     for for_dk in (True, False):
@@ -134,7 +137,7 @@ def plan_lightning_attention_backward(
                                    else "unused_by_dv"),
                         part_ptr="decay_parts_k" if for_dk else "unused_by_dv_parts"),
             writes=("grad_ptr", "dhist_ptr", "part_ptr"),
-            constexprs=dict(consts, BLOCK_D=block_d if for_dk else full_d,
+            constexprs=dict(exact if for_dk else consts, BLOCK_D=block_d if for_dk else full_d,
                             BLOCK_E=full_e if for_dk else block_e, FOR_DK=for_dk,
                             HAS_DKV=grad_kv is not None, FINAL_ONLY=p.final_only,
                             HAS_HIST=p.kv_history is not None),

@@ -180,7 +180,13 @@ def _attend(
             b_kt = tl.load(p_kt)
         if FROM_CACHE and KV_FP8 and not DENSE:
             b_kt = b_kt.to(FP8_TYPE, bitcast=True).to(DOT_TYPE)
-        qk = tl.dot(b_q, b_kt)  # [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N] -> fp32
+        # NOTE: fp32 with ALiBi multiplies in exact fp32, as vLLM's ALiBi kernel
+        # does (its fp32 ALiBi test asks for 1e-6; tf32 failed it); otherwise fp32
+        # products run in tf32 (the spec allows it)
+        if HAS_ALIBI and DOT_TYPE == tl.float32:
+            qk = tl.dot(b_q, b_kt, input_precision="ieee")
+        else:
+            qk = tl.dot(b_q, b_kt)  # [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N] -> fp32
         s = qk * qk_scale2
         if HAS_ALIBI or MASKED:
             t_pos = pos_base + o_n
@@ -207,7 +213,10 @@ def _attend(
                 b_v = b_v.to(FP8_TYPE, bitcast=True).to(DOT_TYPE)
             p = p * v_scale  # dequantise V through P: the new tokens' V is unscaled
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(DOT_TYPE), b_v, acc)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
+        if HAS_ALIBI and DOT_TYPE == tl.float32:
+            acc = tl.dot(p.to(DOT_TYPE), b_v, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(DOT_TYPE), b_v, acc)  # [BLOCK_M, BLOCK_N] @ [BLOCK_N, BLOCK_D]
         m_i = m_new
     return acc, l_i, m_i
 

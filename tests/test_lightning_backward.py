@@ -167,3 +167,28 @@ def test_reference_matches_finite_differences():
                 down[i][idx] -= 1e-6
                 num[idx] = (loss(*up) - loss(*down)) / 2e-6
             np.testing.assert_allclose(grad, num, rtol=1e-6, atol=1e-6)
+
+
+def test_jax_vmap_of_grad_is_one_launch_per_kernel():
+    """jax.vmap(jax.grad(f)): the forward and the backward fold the examples into
+    their heads (no loop in the lowering), each example equal to its own gradient."""
+    import jax
+    import jax.numpy as jnp
+    import adapters.jax as aj
+    g = np.random.default_rng(6)
+    size, b, h, n, d, e, bs = 3, 1, 2, 20, 8, 8, 8
+    q, k = (g.standard_normal((size, b, h, n, d)).astype(np.float32) * 0.5 for _ in range(2))
+    v = g.standard_normal((size, b, h, n, e)).astype(np.float32) * 0.5
+    ed = g.uniform(0.05, 0.5, h).astype(np.float32)
+
+    def loss(q, k, v, ed):
+        o, kv = aj.lightning_attention(q, k, v, ed, bs, None, False)
+        return (o * o).sum() + kv.sum()
+    batched = jax.vmap(jax.grad(loss, argnums=(0, 1, 2, 3)), in_axes=(0, 0, 0, None))
+    assert "while" not in jax.make_jaxpr(batched)(q, k, v, ed).pretty_print()
+    grads = jax.jit(batched)(q, k, v, ed)
+    for i in range(size):
+        o, kv = lightning_attention_reference(q[i], k[i], v[i], ed, bs)
+        ref = lightning_attention_backward_reference(q[i], k[i], v[i], ed, 2 * o, np.ones_like(kv), bs)
+        check([np.asarray(x[i]) for x in grads[:3]] + [None, np.asarray(grads[3][i])], ref, "float32",
+              f"vmap example {i}")

@@ -27,7 +27,8 @@ from ._ops_lightning import lightning_attention_backward, with_vjp as _with_ligh
 merge_attn_states_backward = _with_vmap(merge_attn_states_backward)
 merge_attn_states = _with_vjp(_with_vmap(merge_attn_states), merge_attn_states_backward)
 mask_empty_context_lse = _with_vmap(mask_empty_context_lse)
-lightning_attention = _with_lightning_vjp(_with_vmap(lightning_attention))
+lightning_attention_backward = _with_vmap(lightning_attention_backward)
+lightning_attention = _with_lightning_vjp(_with_vmap(lightning_attention), lightning_attention_backward)
 linear_decode_forward_triton = _with_vmap(linear_decode_forward_triton)
 lightning_attention_varlen = _with_vmap(lightning_attention_varlen)
 from ._ops_blocksparse import with_vjp as _with_bs_vjp  # noqa: E402

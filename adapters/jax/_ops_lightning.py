@@ -4,7 +4,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from core_kernels import _index_check
@@ -12,7 +11,7 @@ from core_kernels._plan import as_int
 from core_kernels.lightning_attention import (check_slot_ids, plan_lightning_attention,
                                               plan_lightning_attention_backward, plan_linear_decode)
 
-from core_kernels.op_axes import LIGHTNING_ATTENTION, LINEAR_DECODE
+from core_kernels.op_axes import LIGHTNING_ATTENTION, LIGHTNING_ATTENTION_BACKWARD, LINEAR_DECODE
 
 from . import _spmd
 from ._executor import info, run_plan, target
@@ -67,24 +66,32 @@ def lightning_attention_backward(q, k, v, ed, kv_history, kv, grad_output, grad_
     be None). The kernels of the torch adapter's backward (bitwise the same).
     The decay's gradient is always computed (a custom VJP cannot tell whether it
     is needed), so dq and dk use the exact products: bitwise equal to torch
-    where ed requires grad there. Not batched by jax.vmap nor partitioned."""
-    arrays = dict(q=q, k=k, v=v, ed=ed, kv=jnp.asarray(kv), grad_output=grad_output)
+    where ed requires grad there. Batched by jax.vmap (heads) and partitioned
+    over heads, as the forward."""
+    arrays = dict(q=q, k=k, v=v, ed=ed, kv=kv, grad_output=grad_output)
     if kv_history is not None:
         arrays["kv_history"] = kv_history
     if grad_kv is not None:
         arrays["grad_kv"] = grad_kv
+    return _spmd.call(LIGHTNING_ATTENTION_BACKWARD, _backward, arrays,
+                      block_size=as_int("block_size", block_size),
+                      output_final_state_only=output_final_state_only)
+
+
+def _backward(arrays, *, block_size, output_final_state_only):
     tgt = target(arrays)
     plan = plan_lightning_attention_backward(
         tgt, *(info(arrays[n]) for n in ("q", "k", "v", "ed")),
-        None if kv_history is None else info(kv_history), info(arrays["kv"]),
-        info(grad_output), None if grad_kv is None else info(grad_kv),
-        block_size=as_int("block_size", block_size), output_final_state_only=output_final_state_only)
+        *(None if arrays.get(n) is None else info(arrays[n]) for n in ("kv_history", "kv", "grad_output",
+                                                                       "grad_kv")),
+        block_size=block_size, output_final_state_only=output_final_state_only)
     return run_plan(plan, arrays, tgt)
 
 
-def with_vjp(forward):
+def with_vjp(forward, backward):
     """The public prefill: ``forward`` (with its vmap rule) under a
-    ``jax.custom_vjp`` whose backward runs the backward kernels. Outside any
+    ``jax.custom_vjp`` whose backward is ``backward`` (the backward kernels, with
+    their own vmap rule: jax.vmap(jax.grad(f)) batches both). Outside any
     transformation (no traced array) it is ``forward`` itself."""
     @functools.wraps(forward)
     def lightning_attention(q, k, v, ed, block_size=256, kv_history=None,
@@ -109,7 +116,7 @@ def with_vjp(forward):
         def prefill_bwd(res, grads):
             args, kv = res
             q, k, v, ed, *hist = args
-            dq, dk, dv, dhist, ded = lightning_attention_backward(
+            dq, dk, dv, dhist, ded = backward(
                 q, k, v, ed, hist[0] if hist else None, kv, grads[0], grads[1], **options)
             out = (dq, dk, dv, ded.reshape(ed.shape))
             return out + ((dhist.astype(hist[0].dtype),) if hist else ())

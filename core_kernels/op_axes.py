@@ -65,6 +65,34 @@ class OpAxes:
         return None
 
 
+def fit_labels(labels: Labels, shape) -> Optional[tuple]:
+    """The label of each dimension of an array of ``shape`` that ``labels``
+    describes, or None where they cannot be placed. The adapters' rules (JAX
+    SPMD, torch DTensor) both read arrays through this:
+    - the described rank: as given;
+    - one named label and one non-unit dimension: there (decay rates as [H],
+      [H, 1, 1] or [1, H, 1, 1]);
+    - as many non-unit dimensions as labels: in order (singletons the
+      description omits);
+    - fewer dimensions than described: the leading labels (lightning's
+      final-state kv [B, H, D, E] against the per-block form [B, H, NB + 1, D, E])."""
+    rank = len(shape)
+    if rank == len(labels):
+        return tuple(labels)
+    named = [lab for lab in labels if lab is not None]
+    wide = [d for d, n in enumerate(shape) if n != 1]
+    if len(named) == 1 and len(wide) == 1:
+        return tuple(named[0] if d == wide[0] else None for d in range(rank))
+    if len(wide) == len(labels):
+        out = [None] * rank
+        for d, lab in zip(wide, labels):
+            out[d] = lab
+        return tuple(out)
+    if rank < len(labels):
+        return tuple(labels[:rank])
+    return None
+
+
 _TOK_H_D = ("tokens", "heads", None)
 _TOK_KVH_D = ("tokens", "kv_heads", None)
 

@@ -68,7 +68,7 @@ from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor, 
                                                  custom_partitioning)
 from jax.sharding import NamedSharding, PartitionSpec
 
-from core_kernels.op_axes import OpAxes
+from core_kernels.op_axes import OpAxes, fit_labels
 
 # A resolved dimension: None (replicated), or (label, multiple): the dimension
 # is the label's extent times ``multiple`` (1: the label itself; > 1: each
@@ -90,23 +90,9 @@ class _Spec:
     slot: object = None                  # interpreter: the outer program's host callback
 
 
-def _aligned(labels, shape) -> tuple:
-    """``labels`` for an array of ``shape``: as given when the rank matches; a
-    single label on the only non-unit dimension ([H, 1, 1], [1, H, 1, 1] decay
-    rates); else the leading labels (kv final states [B, H, D, E])."""
-    rank = len(shape)
-    if len(labels) == rank:
-        return tuple(labels)
-    named = [lab for lab in labels if lab is not None]
-    wide = [i for i, n in enumerate(shape) if n != 1]
-    if len(named) == 1 and len(wide) == 1:
-        return tuple(named[0] if i == wide[0] else None for i in range(rank))
-    return tuple(labels[:rank]) + (None,) * max(0, rank - len(labels))
-
-
 def _resolve(labels, shape, sizes: dict, allowed) -> tuple:
     out = []
-    for lab, n in zip(_aligned(labels, shape), shape):
+    for lab, n in zip(fit_labels(labels, shape) or (None,) * len(shape), shape):
         size = sizes.get(lab)
         if lab not in allowed or not size:
             out.append(None)

@@ -56,22 +56,6 @@ _lock = threading.Lock()
 _registered = False
 
 
-def _align(labels, shape, extents=None):
-    """The label of each dimension of an array of ``shape`` described by ``labels``,
-    or None where they do not line up. An array may carry singleton dimensions the
-    description omits (``ed`` as [H, 1, 1] or [1, H, 1, 1]): the labels then go to
-    the non-singleton dimensions in order."""
-    if len(shape) == len(labels):
-        return tuple(labels)
-    big = [d for d, n in enumerate(shape) if n != 1]
-    if len(big) != len(labels):
-        return None
-    out = [None] * len(shape)
-    for d, lab in zip(big, labels):
-        out[d] = lab
-    return tuple(out)
-
-
 def _is_shard(p):
     from torch.distributed.tensor import Shard
     return type(p) is Shard
@@ -102,7 +86,7 @@ def op_strategies(name: str, axes: op_axes.OpAxes, schema, mutated, args, kwargs
         if labels is None:
             unmapped.append(n)
             continue
-        aligned = _align(labels, spec.shape)
+        aligned = op_axes.fit_labels(labels, spec.shape)
         if aligned is None:
             unaligned[n] = labels
         else:

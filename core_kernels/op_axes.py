@@ -179,6 +179,18 @@ LIGHTNING_VARLEN = OpAxes(
     unbatchable=("cu_seqlens", "slot_idx"),
 )
 
+LIGHTNING_VARLEN_BACKWARD = OpAxes(
+    "lightning_attention_varlen_backward",
+    inputs={"q": (None, "heads", None), "k": (None, "heads", None), "v": (None, "heads", None),
+            "ed": ("heads",), "cu_seqlens": (None,), "kv": (None, "heads", None, None),
+            "grad_output": (None, "heads", None), "grad_kv": (None, "heads", None, None)},
+    outputs={"grad_q": (None, "heads", None), "grad_k": (None, "heads", None),
+             "grad_v": (None, "heads", None), "grad_ed": ("heads",)},
+    independent=("heads",),
+    fold=("heads",),
+    unbatchable=("cu_seqlens",),
+)
+
 BLOCKSPARSE_VARLEN = OpAxes(
     "blocksparse_flash_attn_varlen_fwd",
     inputs={"q": _TOK_H_D, "k": _TOK_KVH_D, "v": _TOK_KVH_D,
@@ -233,6 +245,6 @@ CONTEXT_ATTENTION_FWD = OpAxes(
 
 OPS = {o.name: o for o in (MERGE_ATTN_STATES, MERGE_ATTN_STATES_BACKWARD, MASK_EMPTY_CONTEXT_LSE, LIGHTNING_ATTENTION,
                            LIGHTNING_ATTENTION_BACKWARD,
-                           LINEAR_DECODE, LIGHTNING_VARLEN, BLOCKSPARSE_VARLEN,
+                           LINEAR_DECODE, LIGHTNING_VARLEN, LIGHTNING_VARLEN_BACKWARD, BLOCKSPARSE_VARLEN,
                            BLOCKSPARSE_VARLEN_LSE, BLOCKSPARSE_VARLEN_BACKWARD,
                            CONTEXT_ATTENTION_FWD)}

@@ -96,6 +96,14 @@ def _lightning_backward():
                 grad_kv=None, need_grad_ed=True)
 
 
+def _varlen_backward():
+    d = _varlen(False)
+    cu = d["cu_seqlens"]
+    return dict(q=d["q"], k=d["k"], v=d["v"], ed=d["ed"], cu_seqlens=cu,
+                kv=_f32(cu.shape[0] - 1, 2, 16, 16, seed=5), grad_output=_f32(7, 2, 16, seed=6), grad_kv=None,
+                need_grad_ed=True)
+
+
 def _decode():
     return dict(q=_f32(2, 2, 1, 16), k=_f32(2, 2, 1, 16, seed=1), v=_f32(2, 2, 1, 16, seed=2),
                 kv_caches=_f32(3, 2, 16, 16, seed=3), slope_rate=_i([0.1, 0.5], np.float32),
@@ -147,6 +155,7 @@ EXAMPLES = {
     "blocksparse_flash_attn_varlen_fwd_lse": (_blocksparse_lse, "k"),
     "blocksparse_flash_attn_varlen_backward": (_blocksparse_backward, "grad_output"),   # no double backward
     "lightning_attention_varlen": (lambda: _varlen(False), "q"),
+    "lightning_attention_varlen_backward": (_varlen_backward, "grad_output"),   # no double backward
     "lightning_attention_varlen_cache": (lambda: _varlen(True), "v"),
     "mask_empty_context_lse": (_mask, None),   # its only float input is written in place
 }

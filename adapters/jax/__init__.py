@@ -15,9 +15,9 @@ __all__ += ["LocalStridedBlockSparseAttn", "blocksparse_flash_attn_varlen_fwd", 
 from ._ops_lightning import lightning_attention, linear_decode_forward_triton
 
 __all__ += ["lightning_attention", "lightning_attention_backward", "linear_decode_forward_triton"]
-from ._ops_lightning_varlen import lightning_attention_varlen
+from ._ops_lightning_varlen import lightning_attention_varlen, lightning_attention_varlen_backward
 
-__all__ += ["lightning_attention_varlen"]
+__all__ += ["lightning_attention_varlen", "lightning_attention_varlen_backward"]
 
 from ._vmap import with_vmap as _with_vmap  # noqa: E402
 
@@ -30,7 +30,11 @@ mask_empty_context_lse = _with_vmap(mask_empty_context_lse)
 lightning_attention_backward = _with_vmap(lightning_attention_backward)
 lightning_attention = _with_lightning_vjp(_with_vmap(lightning_attention), lightning_attention_backward)
 linear_decode_forward_triton = _with_vmap(linear_decode_forward_triton)
-lightning_attention_varlen = _with_vmap(lightning_attention_varlen)
+from ._ops_lightning_varlen import with_vjp as _with_varlen_vjp  # noqa: E402
+
+lightning_attention_varlen_backward = _with_vmap(lightning_attention_varlen_backward)
+lightning_attention_varlen = _with_varlen_vjp(_with_vmap(lightning_attention_varlen),
+                                              lightning_attention_varlen_backward)
 from ._ops_blocksparse import with_vjp as _with_bs_vjp  # noqa: E402
 
 blocksparse_flash_attn_varlen_fwd_lse = _with_vmap(blocksparse_flash_attn_varlen_fwd_lse)

@@ -1,14 +1,17 @@
 """Lightning attention over packed variable-length sequences for JAX (one launch, jit-compatible)."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 
-from core_kernels.lightning_attention import check_varlen_host_data, plan_lightning_attention_varlen
+from core_kernels.lightning_attention import (check_varlen_host_data, plan_lightning_attention_varlen,
+                                              plan_lightning_attention_varlen_backward)
 
 from core_kernels import _index_check
 
-from core_kernels.op_axes import LIGHTNING_VARLEN
+from core_kernels.op_axes import LIGHTNING_VARLEN, LIGHTNING_VARLEN_BACKWARD
 
 from . import _spmd
 from ._executor import info, run_plan, target
@@ -82,3 +85,56 @@ def _varlen(arrays, *, block_size, config):
         *(None if n not in arrays else info(arrays[n]) for n in ("kv_cache", "slot_idx")),
         block_size=block_size, config=config)
     return run_plan(plan, arrays, tgt)
+
+
+def lightning_attention_varlen_backward(q, k, v, ed, cu_seqlens, kv, grad_output, grad_kv=None):
+    """Gradients (dq, dk [T, H, D], dv [T, H, E] in q's dtype, d ed [H] float32)
+    of :func:`lightning_attention_varlen` without a cache, from its inputs, its
+    final states ``kv`` [B, H, D, E] and the output gradients (``grad_kv`` may be
+    None). The kernels of the torch adapter's backward (bitwise the same); the
+    decay's gradient is always computed (exact dq / dk products)."""
+    arrays = dict(q=q, k=k, v=v, ed=ed, cu_seqlens=cu_seqlens, kv=kv, grad_output=grad_output)
+    if grad_kv is not None:
+        arrays["grad_kv"] = grad_kv
+    return _spmd.call(LIGHTNING_VARLEN_BACKWARD, _varlen_backward, arrays)
+
+
+def _varlen_backward(arrays):
+    tgt = target(arrays)
+    plan = plan_lightning_attention_varlen_backward(
+        tgt, *(info(arrays[n]) for n in ("q", "k", "v", "ed", "cu_seqlens", "kv", "grad_output")),
+        None if "grad_kv" not in arrays else info(arrays["grad_kv"]))
+    return run_plan(plan, arrays, tgt)
+
+
+def with_vjp(forward, backward):
+    """The public varlen prefill: without a cache, ``forward`` under a
+    ``jax.custom_vjp`` whose backward is ``backward``; with a cache (state read
+    and written through slots) it has no backward. Outside any transformation
+    (no traced array) it is ``forward`` itself."""
+    @functools.wraps(forward)
+    def lightning_attention_varlen(q, k, v, ed, cu_seqlens, *, kv_cache=None, slot_idx=None,
+                                   block_size=256, config=None, validate_indices=None):
+        kwargs = dict(kv_cache=kv_cache, slot_idx=slot_idx, block_size=block_size, config=config,
+                      validate_indices=validate_indices)
+        primals = (q, k, v, ed)
+        if kv_cache is not None or not any(isinstance(x, jax.core.Tracer) for x in primals):
+            return forward(q, k, v, ed, cu_seqlens, **kwargs)
+
+        @jax.custom_vjp
+        def varlen(q, k, v, ed, cu):
+            return forward(q, k, v, ed, cu, **kwargs)
+
+        def varlen_fwd(q, k, v, ed, cu):
+            out = forward(q, k, v, ed, cu, **kwargs)
+            return out, (q, k, v, ed, cu, out[1])
+
+        def varlen_bwd(res, grads):
+            q, k, v, ed, cu, states = res
+            dq, dk, dv, ded = backward(q, k, v, ed, cu, states, grads[0], grads[1])
+            return dq, dk, dv, ded.reshape(ed.shape), None
+
+        varlen.defvjp(varlen_fwd, varlen_bwd)
+        return varlen(q, k, v, ed, cu_seqlens)
+
+    return lightning_attention_varlen

@@ -6,7 +6,8 @@ from typing import Optional
 import torch
 
 from core_kernels._plan import decode_config, encode_config
-from core_kernels.lightning_attention import check_varlen_host_data, plan_lightning_attention_varlen
+from core_kernels.lightning_attention import (check_varlen_host_data, plan_lightning_attention_varlen,
+                                              plan_lightning_attention_varlen_backward)
 
 from core_kernels import _index_check
 
@@ -49,7 +50,43 @@ def _cache_fake(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config)
     return q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
 
 
-_states_op = custom_op("lightning_attention_varlen", _states_impl, fake=_states_fake)
+def _backward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.Tensor,
+                   cu_seqlens: torch.Tensor, kv: torch.Tensor, grad_output: torch.Tensor,
+                   grad_kv: Optional[torch.Tensor], need_grad_ed: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    tensors = dict(q=q, k=k, v=v, ed=ed, cu_seqlens=cu_seqlens, kv=kv, grad_output=grad_output,
+                   grad_kv=grad_kv)
+    plan, device = planned(plan_lightning_attention_varlen_backward, tensors, need_grad_ed=need_grad_ed)
+    env = run_plan(plan, {n: t for n, t in tensors.items() if t is not None}, device=device)
+    return tuple(env[r] for r in plan.results)
+
+
+def _backward_fake(q, k, v, ed, cu_seqlens, kv, grad_output, grad_kv, need_grad_ed):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty((q.shape[1],), dtype=torch.float32))
+
+
+_backward_op = custom_op("lightning_attention_varlen_backward", _backward_impl, fake=_backward_fake)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, ed, cu_seqlens, _, _ = inputs
+    ctx.save_for_backward(q, k, v, ed, cu_seqlens, output[1])
+
+
+def _backward(ctx, grad_output, grad_states):
+    q, k, v, ed, cu_seqlens, states = ctx.saved_tensors
+    # NOTE: the kernels read the gradients with a unit last stride / contiguous
+    grad_output = torch.zeros((*q.shape[:2], v.shape[-1]), dtype=q.dtype, device=q.device) \
+        if grad_output is None else grad_output.contiguous()
+    grad_states = None if grad_states is None else grad_states.contiguous()
+    dq, dk, dv, ded = _backward_op(q, k, v, ed, cu_seqlens, states, grad_output, grad_states,
+                                   bool(ctx.needs_input_grad[3]))
+    return dq, dk, dv, ded.reshape(ed.shape) if ctx.needs_input_grad[3] else None, None, None, None
+
+
+_states_op = custom_op("lightning_attention_varlen", _states_impl, fake=_states_fake,
+                       autograd=(_backward, _setup_context))
 _cache_op = custom_op("lightning_attention_varlen_cache", _cache_impl, mutates_args=("kv_cache",),
                       fake=_cache_fake)
 

@@ -13,7 +13,9 @@ from .varlen_reference import lightning_attention_varlen_reference
 
 __all__ += ["LightningVarlenConfig", "plan_lightning_attention_varlen", "check_varlen_host_data",
             "lightning_attention_varlen_reference"]
-from .backward_plan import LightningBackwardConfig, plan_lightning_attention_backward
+from .backward_plan import (LightningBackwardConfig, plan_lightning_attention_backward,
+                            plan_lightning_attention_varlen_backward)
 
 __all__ += ["LightningBackwardConfig", "plan_lightning_attention_backward",
+            "plan_lightning_attention_varlen_backward",
             "lightning_attention_backward_reference"]

@@ -83,6 +83,25 @@ def _dot(a, b, acc, DOT_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _sequence(i_bh, num_heads, seq_len, num_chunks, cu_ptr, width,
+              BLOCK_T: tl.constexpr, VARLEN: tl.constexpr):
+    """(b, h, first token, tokens, chunks, gradient row base, gradient row stride)
+    of program row i_bh: one (b, h) of [B, H, N, *] arrays, or with VARLEN
+    sequence b of packed [T, H, *] ones (tokens cu[b] .. cu[b + 1] - 1; the
+    gradients contiguous [T, H, width])."""
+    i_b = (i_bh // num_heads).to(tl.int64)
+    i_h = (i_bh % num_heads).to(tl.int64)
+    if VARLEN:
+        t_first = tl.load(cu_ptr + i_b).to(tl.int64)
+        n_tok = (tl.load(cu_ptr + i_b + 1).to(tl.int64) - t_first).to(tl.int32)
+        n_chunks = (n_tok + BLOCK_T - 1) // BLOCK_T
+        return i_b, i_h, t_first, n_tok, n_chunks, (t_first * num_heads + i_h) * width, num_heads * width
+    else:
+        return (i_b, i_h, i_b * 0, seq_len + 0 * i_bh, num_chunks + 0 * i_bh,
+                i_bh.to(tl.int64) * seq_len * width, width + 0 * i_bh)
+
+
+@triton.jit
 def _store_pair(ptr, x):
     """An fp64 value as two fp32 (hi, x - hi): the buffers stay fp32 (JAX arrays
     without x64) while the decay's partial sums keep fp64's precision."""
@@ -93,7 +112,7 @@ def _store_pair(ptr, x):
 
 @jit
 def _lightning_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, hist_ptr, decay_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, hist_ptr, decay_ptr, cu_ptr,
     num_heads, seq_len, head_k, head_v, block_len, num_chunks, stride_decay,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
@@ -101,23 +120,23 @@ def _lightning_bwd_dq_kernel(
     dq_ptr, part_ptr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, CHUNKS: tl.constexpr,
     HAS_HIST: tl.constexpr, DOT_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """dq for one (b, h, D-tile), walking forwards with the state rows of the tile."""
     i_d = tl.program_id(0)
     i_bh = tl.program_id(1)
-    i_b = (i_bh // num_heads).to(tl.int64)
-    i_h = (i_bh % num_heads).to(tl.int64)
+    i_b, i_h, t_first, n_tok, n_chunks, dq_base, dq_row = _sequence(
+        i_bh, num_heads, seq_len, num_chunks, cu_ptr, head_k, BLOCK_T, VARLEN)
     o_r = tl.arange(0, BLOCK_T)
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
     o_e = tl.arange(0, BLOCK_E)
     m_d = o_d < head_k
     m_e = o_e < head_v
     s = tl.minimum(tl.load(decay_ptr + i_h * stride_decay).to(tl.float32), 1e30)
-    q_base = i_b * stride_qb + i_h * stride_qh
-    k_base = i_b * stride_kb + i_h * stride_kh
-    v_base = i_b * stride_vb + i_h * stride_vh
-    do_base = i_b * stride_ob + i_h * stride_oh
-    dq_base = i_bh.to(tl.int64) * seq_len * head_k
+    q_base = i_b * stride_qb + i_h * stride_qh + t_first * stride_qt
+    k_base = i_b * stride_kb + i_h * stride_kh + t_first * stride_kt
+    v_base = i_b * stride_vb + i_h * stride_vh + t_first * stride_vt
+    do_base = i_b * stride_ob + i_h * stride_oh + t_first * stride_ot
     if HAS_HIST:
         p_h = hist_ptr + i_b * stride_hb + i_h * stride_hh + o_d[:, None] * stride_hd + o_e[None, :]
         b_s = tl.load(p_h, mask=m_d[:, None] & m_e[None, :], other=0.0).to(tl.float32)  # [D, E]
@@ -125,8 +144,8 @@ def _lightning_bwd_dq_kernel(
         b_s = tl.full([BLOCK_D, BLOCK_E], 0.0, tl.float32)
     diff = o_r[:, None] - o_r[None, :]  # r - r'
     part = tl.full([BLOCK_T, BLOCK_D], 0.0, tl.float64)
-    for g in range(num_chunks):
-        t0, n_valid, blk, j = _chunk_span(g, seq_len, block_len, CHUNKS, BLOCK_T)
+    for g in range(n_chunks):
+        t0, n_valid, blk, j = _chunk_span(g, n_tok, block_len, CHUNKS, BLOCK_T)
         m_r = o_r < n_valid
         b_do = _rows(do_ptr, do_base, t0, o_r, m_r, stride_ot, o_e, m_e)  # [T, E]
         b_v = _rows(v_ptr, v_base, t0, o_r, m_r, stride_vt, o_e, m_e)     # [T, E]
@@ -139,7 +158,7 @@ def _lightning_bwd_dq_kernel(
                     DOT_BF16, DOT_PRECISION)                               # [T, E] @ [E, D]
         b_dq = b_dq * tl.where(m_r, _pow_decay(s, o_r + 1), 0.0)[:, None]
         b_dq = _dot(b_a, b_k, b_dq, DOT_BF16, DOT_PRECISION)               # [T, T] @ [T, D]
-        p_dq = dq_ptr + dq_base + (t0 + o_r).to(tl.int64)[:, None] * head_k + o_d[None, :]
+        p_dq = dq_ptr + dq_base + (t0 + o_r).to(tl.int64)[:, None] * dq_row + o_d[None, :]
         tl.store(p_dq, b_dq.to(dq_ptr.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
         part += (t0 + o_r + 1).to(tl.float64)[:, None] * (b_q * b_dq).to(tl.float64)
         b_kd = b_k * tl.where(m_r, _pow_decay(s, tl.maximum(n_valid - 1 - o_r, 0)), 0.0)[:, None]
@@ -150,22 +169,26 @@ def _lightning_bwd_dq_kernel(
 
 @jit
 def _lightning_bwd_dkv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, decay_ptr, kv_ptr, dkv_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, decay_ptr, kv_ptr, dkv_ptr, cu_ptr,
     num_heads, seq_len, head_k, head_v, block_len, num_chunks, num_states, stride_decay,
     stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
     grad_ptr, dhist_ptr, part_ptr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, CHUNKS: tl.constexpr,
     FOR_DK: tl.constexpr, HAS_DKV: tl.constexpr, FINAL_ONLY: tl.constexpr, HAS_HIST: tl.constexpr,
-    DOT_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """dk (FOR_DK: the adjoint's rows of one D-tile, all of E; also d kv_history
     and the decay partial) or dv (the adjoint's columns of one E-tile, all of D)
     for one (b, h), walking backwards."""
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1)
-    i_b = (i_bh // num_heads).to(tl.int64)
-    i_h = (i_bh % num_heads).to(tl.int64)
+    if FOR_DK:
+        width = head_k
+    else:
+        width = head_v
+    i_b, i_h, t_first, n_tok, n_chunks, g_base, g_row = _sequence(
+        i_bh, num_heads, seq_len, num_chunks, cu_ptr, width, BLOCK_T, VARLEN)
     o_r = tl.arange(0, BLOCK_T)
     if FOR_DK:
         o_d = i_t * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -177,10 +200,10 @@ def _lightning_bwd_dkv_kernel(
     m_e = o_e < head_v
     m_de = m_d[:, None] & m_e[None, :]
     s = tl.minimum(tl.load(decay_ptr + i_h * stride_decay).to(tl.float32), 1e30)
-    q_base = i_b * stride_qb + i_h * stride_qh
-    k_base = i_b * stride_kb + i_h * stride_kh
-    v_base = i_b * stride_vb + i_h * stride_vh
-    do_base = i_b * stride_ob + i_h * stride_oh
+    q_base = i_b * stride_qb + i_h * stride_qh + t_first * stride_qt
+    k_base = i_b * stride_kb + i_h * stride_kh + t_first * stride_kt
+    v_base = i_b * stride_vb + i_h * stride_vh + t_first * stride_vt
+    do_base = i_b * stride_ob + i_h * stride_oh + t_first * stride_ot
     # kv and dkv: contiguous [B, H, num_states, D, E] (num_states 1: the final state)
     st_base = i_bh.to(tl.int64) * num_states * head_k * head_v
     o_de = o_d[:, None] * head_v + o_e[None, :]
@@ -188,16 +211,16 @@ def _lightning_bwd_dkv_kernel(
     b_g = tl.full([BLOCK_D, BLOCK_E], 0.0, tl.float32)  # the adjoint Dst of the tile
     part = tl.full([BLOCK_T, BLOCK_D], 0.0, tl.float64)
     part_kv = tl.full([BLOCK_D, BLOCK_E], 0.0, tl.float64)
-    for i in range(num_chunks):
-        g = num_chunks - 1 - i
-        t0, n_valid, blk, j = _chunk_span(g, seq_len, block_len, CHUNKS, BLOCK_T)
+    for i in range(n_chunks):
+        g = n_chunks - 1 - i
+        t0, n_valid, blk, j = _chunk_span(g, n_tok, block_len, CHUNKS, BLOCK_T)
         if HAS_DKV:
             # a returned state ends here: its gradient joins the adjoint
             if FINAL_ONLY:
-                blk_end = seq_len + 0 * t0
+                blk_end = n_tok + 0 * t0
                 p_st = st_base + o_de
             else:
-                blk_end = tl.minimum((blk + 1) * block_len, seq_len)
+                blk_end = tl.minimum((blk + 1) * block_len, n_tok)
                 p_st = st_base + (blk + 1).to(tl.int64) * head_k * head_v + o_de
             at_end = (t0 + n_valid == blk_end) & (n_valid > 0)
             b_dkv = tl.load(dkv_ptr + p_st, mask=m_de & at_end, other=0.0)
@@ -218,8 +241,7 @@ def _lightning_bwd_dkv_kernel(
             b_grad = _dot(b_v, _t(b_g, DOT_BF16), tl.full([BLOCK_T, BLOCK_D], 0.0, tl.float32),
                           DOT_BF16, DOT_PRECISION) * tail[:, None]         # [T, E] @ [E, D]
             b_grad = _dot(b_a, b_q, b_grad, DOT_BF16, DOT_PRECISION)       # [T, T] @ [T, D]
-            p_grad = grad_ptr + i_bh.to(tl.int64) * seq_len * head_k + \
-                (t0 + o_r).to(tl.int64)[:, None] * head_k + o_d[None, :]
+            p_grad = grad_ptr + g_base + (t0 + o_r).to(tl.int64)[:, None] * g_row + o_d[None, :]
             tl.store(p_grad, b_grad.to(grad_ptr.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
             part += (t0 + o_r + 1).to(tl.float64)[:, None] * (b_k * b_grad).to(tl.float64)
         else:
@@ -228,8 +250,7 @@ def _lightning_bwd_dkv_kernel(
             b_grad = _dot(b_k, b_g, tl.full([BLOCK_T, BLOCK_E], 0.0, tl.float32),
                           DOT_BF16, DOT_PRECISION) * tail[:, None]         # [T, D] @ [D, E]
             b_grad = _dot(b_a, b_do, b_grad, DOT_BF16, DOT_PRECISION)      # [T, T] @ [T, E]
-            p_grad = grad_ptr + i_bh.to(tl.int64) * seq_len * head_v + \
-                (t0 + o_r).to(tl.int64)[:, None] * head_v + o_e[None, :]
+            p_grad = grad_ptr + g_base + (t0 + o_r).to(tl.int64)[:, None] * g_row + o_e[None, :]
             tl.store(p_grad, b_grad.to(grad_ptr.dtype.element_ty), mask=m_r[:, None] & m_e[None, :])
         b_qd = b_q * tl.where(m_r, _pow_decay(s, o_r + 1), 0.0)[:, None]
         b_g = _dot(_t(b_qd, DOT_BF16), b_do, b_g * _pow_decay(s, n_valid), DOT_BF16, DOT_PRECISION)

@@ -4,6 +4,8 @@ forward's inputs, its returned states and the output gradients. Kernels and
 math: backward_kernels.py."""
 from __future__ import annotations
 
+import dataclasses
+
 from .._plan import (ArrayInfo, Buffer, Launch, Plan, Scalar, cdiv, check_config, check_dtype,
                      check_shape, config_class, memoize, next_pow2, row_major_strides)
 from .._target import Target
@@ -83,6 +85,37 @@ def plan_lightning_attention_backward(
         for name in BACKWARD_RESULTS:
             buffers[name] = Buffer(buffers[name].shape, buffers[name].dtype, zero_init=True)
         return Plan(buffers, (), BACKWARD_RESULTS)
+    # chunks laid out per returned state block, as the forward's (kernels.py)
+    if p.final_only:
+        block_len, chunks = c.block_t, 1
+    else:
+        block_len, chunks = p.block_size, cdiv(p.block_size, c.block_t)
+    num_blocks = cdiv(p.n, block_len)
+    tail = p.n - (num_blocks - 1) * block_len
+    num_chunks = (num_blocks - 1) * chunks + cdiv(tail, c.block_t)
+    strides = {n: info.strides[:3] for n, info in (("q", p.q), ("k", p.k), ("v", p.v), ("o", grad_output))}
+    launches = _launches(target, c, buffers, _Dims(p.b, p.h, p.d, p.e, p.dtype, p.ed.strides[0]), strides,
+                         dict(seq_len=Scalar(p.n), block_len=Scalar(block_len), num_chunks=Scalar(num_chunks)),
+                         chunks, p.kv_history, kv_shape, grad_kv is not None, p.final_only, need_grad_ed,
+                         varlen=False)
+    return Plan(buffers, launches, BACKWARD_RESULTS)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dims:
+    b: int      # batch rows, or sequences
+    h: int
+    d: int
+    e: int
+    dtype: str
+    decay_stride: int
+
+
+def _launches(target, c, buffers, p: _Dims, strides: dict, walk: dict, chunks: int, kv_history,
+              kv_shape, has_dkv: bool, final_only: bool, need_grad_ed: bool, varlen: bool) -> tuple:
+    """The launches of both backward plans (adds their scratch to ``buffers``).
+    strides: name -> (batch, head, token) strides of q, k, v and the output
+    gradient "o"; walk: seq_len / block_len / num_chunks Scalars."""
     block_d, block_e = min(c.block_d, max(16, next_pow2(p.d))), min(c.block_e, max(16, next_pow2(p.e)))
     full_d, full_e = max(16, next_pow2(p.d)), max(16, next_pow2(p.e))
     n_dt, n_et = cdiv(p.d, block_d), cdiv(p.e, block_e)
@@ -94,53 +127,47 @@ def plan_lightning_attention_backward(
     buffers["decay_parts_k"] = Buffer((p.b * p.h, n_dt, 2), "float32")
     buffers["unused_by_dv"] = Buffer((1,), "float32")
     buffers["unused_by_dv_parts"] = Buffer((1,), "float32")
-    # chunks laid out per returned state block, as the forward's (kernels.py)
-    if p.final_only:
-        block_len, chunks = c.block_t, 1
-    else:
-        block_len, chunks = p.block_size, cdiv(p.block_size, c.block_t)
-    num_blocks = cdiv(p.n, block_len)
-    tail = p.n - (num_blocks - 1) * block_len
-    num_chunks = (num_blocks - 1) * chunks + cdiv(tail, c.block_t)
     # NOTE: bf16 inputs multiply in bf16 on the GPU (as the forward). Under the
     # interpreter the products are fp32: its bf16 products in these kernels came
     # out as garbage (1e10 for values of 0.3, 2026-11-24; the cause is not found),
     # while the forward's bf16 products there are right.
     dot_bf16 = p.dtype == "bfloat16" and target.backend != "interpreter"
-    common = dict(num_heads=Scalar(p.h), seq_len=Scalar(p.n), head_k=Scalar(p.d), head_v=Scalar(p.e),
-                  block_len=Scalar(block_len), num_chunks=Scalar(num_chunks),
-                  stride_decay=Scalar(p.ed.strides[0]),
-                  **_strides("q", p.q), **_strides("k", p.k), **_strides("v", p.v),
-                  **_strides("o", grad_output))
+    common = dict(num_heads=Scalar(p.h), head_k=Scalar(p.d), head_v=Scalar(p.e), **walk,
+                  stride_decay=Scalar(p.decay_stride),
+                  **{f"stride_{n}{axis}": Scalar(int(x)) for n, st in strides.items()
+                     for axis, x in zip("bht", st)})
     consts = dict(BLOCK_T=c.block_t, CHUNKS=chunks, DOT_BF16=dot_bf16, DOT_PRECISION=c.dot_precision)
     # the decay's gradient needs exact dq and dk (backward_kernels.py): dV keeps the fast products
     exact = dict(consts, DOT_BF16=False, DOT_PRECISION="ieee") if need_grad_ed else consts
-    hist = p.kv_history.strides[:3] if p.kv_history is not None else (0, 0, 0)
+    hist = kv_history.strides[:3] if kv_history is not None else (0, 0, 0)
     launches = [
         Launch(kernel=_lightning_bwd_dq_kernel, grid=(n_dt, p.b * p.h),
                params=dict(q_ptr="q", k_ptr="k", v_ptr="v", do_ptr="grad_output",
-                           hist_ptr="kv_history" if p.kv_history is not None else "q", decay_ptr="ed",
+                           hist_ptr="kv_history" if kv_history is not None else "q", decay_ptr="ed",
+                           cu_ptr="cu_seqlens" if varlen else "q",
                            **common, stride_hb=Scalar(hist[0]), stride_hh=Scalar(hist[1]),
                            stride_hd=Scalar(hist[2]), dq_ptr="grad_q", part_ptr="decay_parts_q"),
                writes=("dq_ptr", "part_ptr"),
-               constexprs=dict(exact, BLOCK_D=block_d, BLOCK_E=full_e, HAS_HIST=p.kv_history is not None),
+               constexprs=dict(exact, BLOCK_D=block_d, BLOCK_E=full_e, HAS_HIST=kv_history is not None,
+                               VARLEN=varlen),
                num_warps=c.num_warps, num_stages=1)]
-    num_states = 1 if p.final_only else kv_shape[2]
+    num_states = 1 if final_only else kv_shape[2]
     for for_dk in (True, False):
         launches.append(Launch(
             kernel=_lightning_bwd_dkv_kernel, grid=(n_dt if for_dk else n_et, p.b * p.h),
             params=dict(q_ptr="q", k_ptr="k", v_ptr="v", do_ptr="grad_output", decay_ptr="ed",
-                        kv_ptr="kv", dkv_ptr="grad_kv" if grad_kv is not None else "kv",
+                        kv_ptr="kv", dkv_ptr="grad_kv" if has_dkv else "kv",
+                        cu_ptr="cu_seqlens" if varlen else "q",
                         **common, num_states=Scalar(num_states),
                         grad_ptr="grad_k" if for_dk else "grad_v",
-                        dhist_ptr=("grad_kv_history" if for_dk and p.kv_history is not None
+                        dhist_ptr=("grad_kv_history" if for_dk and kv_history is not None
                                    else "unused_by_dv"),
                         part_ptr="decay_parts_k" if for_dk else "unused_by_dv_parts"),
             writes=("grad_ptr", "dhist_ptr", "part_ptr"),
             constexprs=dict(exact if for_dk else consts, BLOCK_D=block_d if for_dk else full_d,
                             BLOCK_E=full_e if for_dk else block_e, FOR_DK=for_dk,
-                            HAS_DKV=grad_kv is not None, FINAL_ONLY=p.final_only,
-                            HAS_HIST=p.kv_history is not None),
+                            HAS_DKV=has_dkv, FINAL_ONLY=final_only,
+                            HAS_HIST=kv_history is not None, VARLEN=varlen),
             num_warps=c.num_warps, num_stages=1))
     if need_grad_ed:
         launches.append(Launch(kernel=_lightning_bwd_decay_kernel, grid=(p.h,),
@@ -148,9 +175,56 @@ def plan_lightning_attention_backward(
                                            batch=Scalar(p.b), num_heads=Scalar(p.h), num_parts=Scalar(n_dt),
                                            grad_ed_ptr="grad_ed"),
                                writes=("grad_ed_ptr",), constexprs={}, num_warps=1, num_stages=1))
-    return Plan(buffers, tuple(launches), BACKWARD_RESULTS)
+    return tuple(launches)
 
 
-def _strides(prefix: str, info: ArrayInfo) -> dict:
-    """stride_{prefix}b/h/t of a [B, H, N, *] array (innermost dim contiguous)."""
-    return {f"stride_{prefix}{axis}": Scalar(int(x)) for axis, x in zip("bht", info.strides[:3])}
+VARLEN_BACKWARD_RESULTS = ("grad_q", "grad_k", "grad_v", "grad_ed")
+
+
+@memoize
+def plan_lightning_attention_varlen_backward(
+    target: Target, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, ed: ArrayInfo, cu_seqlens: ArrayInfo,
+    kv: ArrayInfo, grad_output: ArrayInfo, grad_kv: ArrayInfo | None, *, need_grad_ed: bool = True,
+    config: LightningBackwardConfig | None = None,
+) -> Plan:
+    """Plan the backward of ``plan_lightning_attention_varlen`` without a state
+    cache (every sequence starts from zero; its final state is returned).
+
+    q, k, v, ed, cu_seqlens: the forward's (same validation); ``kv``: its final
+    states [B, H, D, E] float32 contiguous; ``grad_output`` [T, H, E] in q's
+    dtype, innermost dim contiguous; ``grad_kv``: the states' gradient (kv's
+    shape, contiguous float32) or None. Results: "grad_q", "grad_k" [T, H, D],
+    "grad_v" [T, H, E] in q's dtype, contiguous; "grad_ed" [H] float32 (zeros
+    unless ``need_grad_ed``). The kernels of the dense backward, one program per
+    (sequence, head, tile); deterministic."""
+    from .varlen_plan import _validate as _validate_varlen
+    check_config(config, (LightningBackwardConfig,))
+    c = config or LightningBackwardConfig()
+    p = _validate_varlen(q, k, v, ed, cu_seqlens, None, None, 256)
+    states = (p.b, p.h, p.d, p.e)
+    check_shape("grad_output", grad_output, (p.t, p.h, p.e), "[T, H, E]")
+    if grad_output.dtype != p.dtype:
+        raise TypeError(f"grad_output: dtype {grad_output.dtype} differs from q's {p.dtype}")
+    if grad_output.strides[2] != 1:
+        raise ValueError("grad_output: the innermost dimension must be contiguous")
+    for name, info in (("kv", kv), ("grad_kv", grad_kv)):
+        if info is None:
+            continue
+        check_shape(name, info, states, "[B, H, D, E], the forward's final states")
+        check_dtype(name, info, ("float32",))
+        if tuple(info.strides) != row_major_strides(states):
+            raise ValueError(f"{name}: must be contiguous (row-major), got strides {tuple(info.strides)}")
+    empty = p.b == 0 or p.h == 0 or p.t == 0
+    buffers = {"grad_q": Buffer((p.t, p.h, p.d), p.dtype, zero_init=empty),
+               "grad_k": Buffer((p.t, p.h, p.d), p.dtype, zero_init=empty),
+               "grad_v": Buffer((p.t, p.h, p.e), p.dtype, zero_init=empty),
+               "grad_ed": Buffer((p.h,), "float32", zero_init=empty or not need_grad_ed)}
+    if empty:
+        return Plan(buffers, (), VARLEN_BACKWARD_RESULTS)
+    # [T, H, *]: no batch stride; a program's sequence offset comes from cu_seqlens
+    strides = {n: (0, info.strides[1], info.strides[0])
+               for n, info in (("q", p.q), ("k", p.k), ("v", p.v), ("o", grad_output))}
+    walk = dict(seq_len=Scalar(0), block_len=Scalar(c.block_t), num_chunks=Scalar(0))
+    launches = _launches(target, c, buffers, _Dims(p.b, p.h, p.d, p.e, p.dtype, p.ed.strides[0]), strides,
+                         walk, 1, None, states, grad_kv is not None, True, need_grad_ed, varlen=True)
+    return Plan(buffers, launches, VARLEN_BACKWARD_RESULTS)

@@ -62,20 +62,8 @@ def plan_lightning_attention_backward(
     c = config or LightningBackwardConfig()
     p = _validate_prefill(q, k, v, ed, kv_history, block_size, output_final_state_only)
     kv_shape = prefill_state_shape(p.b, p.h, p.n, p.d, p.e, p.block_size, p.final_only)
-    check_shape("kv", kv, kv_shape, "the forward's returned states")
-    check_dtype("kv", kv, ("float32",))
-    check_shape("grad_output", grad_output, (p.b, p.h, p.n, p.e), "[B, H, N, E]")
-    if grad_output.dtype != p.dtype:
-        raise TypeError(f"grad_output: dtype {grad_output.dtype} differs from q's {p.dtype}")
-    if grad_output.strides[3] != 1:
-        raise ValueError("grad_output: the innermost dimension must be contiguous")
-    for name, info in (("kv", kv), ("grad_kv", grad_kv)):
-        if info is None:
-            continue
-        check_shape(name, info, kv_shape, "kv's shape")
-        check_dtype(name, info, ("float32",))
-        if tuple(info.strides) != row_major_strides(kv_shape):
-            raise ValueError(f"{name}: must be contiguous (row-major), got strides {tuple(info.strides)}")
+    _check_gradients(grad_output, (p.b, p.h, p.n, p.e), "[B, H, N, E]", p.dtype, kv, grad_kv, kv_shape,
+                     "the forward's returned states")
     buffers = {"grad_q": Buffer((p.b, p.h, p.n, p.d), p.dtype),
                "grad_k": Buffer((p.b, p.h, p.n, p.d), p.dtype),
                "grad_v": Buffer((p.b, p.h, p.n, p.e), p.dtype),
@@ -99,6 +87,23 @@ def plan_lightning_attention_backward(
                          chunks, p.kv_history, kv_shape, grad_kv is not None, p.final_only, need_grad_ed,
                          varlen=False)
     return Plan(buffers, launches, BACKWARD_RESULTS)
+
+
+def _check_gradients(grad_output, out_shape, out_layout, dtype, kv, grad_kv, kv_shape, kv_layout):
+    """The output gradient (q's dtype, unit innermost stride) and the returned
+    states with their gradient (contiguous float32)."""
+    check_shape("grad_output", grad_output, out_shape, out_layout)
+    if grad_output.dtype != dtype:
+        raise TypeError(f"grad_output: dtype {grad_output.dtype} differs from q's {dtype}")
+    if grad_output.strides[-1] != 1:
+        raise ValueError("grad_output: the innermost dimension must be contiguous")
+    for name, info in (("kv", kv), ("grad_kv", grad_kv)):
+        if info is None:
+            continue
+        check_shape(name, info, kv_shape, kv_layout)
+        check_dtype(name, info, ("float32",))
+        if tuple(info.strides) != row_major_strides(kv_shape):
+            raise ValueError(f"{name}: must be contiguous (row-major), got strides {tuple(info.strides)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,18 +207,8 @@ def plan_lightning_attention_varlen_backward(
     c = config or LightningBackwardConfig()
     p = _validate_varlen(q, k, v, ed, cu_seqlens, None, None, 256)
     states = (p.b, p.h, p.d, p.e)
-    check_shape("grad_output", grad_output, (p.t, p.h, p.e), "[T, H, E]")
-    if grad_output.dtype != p.dtype:
-        raise TypeError(f"grad_output: dtype {grad_output.dtype} differs from q's {p.dtype}")
-    if grad_output.strides[2] != 1:
-        raise ValueError("grad_output: the innermost dimension must be contiguous")
-    for name, info in (("kv", kv), ("grad_kv", grad_kv)):
-        if info is None:
-            continue
-        check_shape(name, info, states, "[B, H, D, E], the forward's final states")
-        check_dtype(name, info, ("float32",))
-        if tuple(info.strides) != row_major_strides(states):
-            raise ValueError(f"{name}: must be contiguous (row-major), got strides {tuple(info.strides)}")
+    _check_gradients(grad_output, (p.t, p.h, p.e), "[T, H, E]", p.dtype, kv, grad_kv, states,
+                     "[B, H, D, E], the forward's final states")
     empty = p.b == 0 or p.h == 0 or p.t == 0
     buffers = {"grad_q": Buffer((p.t, p.h, p.d), p.dtype, zero_init=empty),
                "grad_k": Buffer((p.t, p.h, p.d), p.dtype, zero_init=empty),

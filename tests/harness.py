@@ -112,6 +112,19 @@ def tf32(a):
     return np.where(np.isnan(a), a, cut)
 
 
+def assert_matches_finite_differences(loss, args, want, eps=1e-6, rtol=1e-6, atol=1e-7):
+    """Each of ``want`` (a reference's gradients of loss(*args), float64) equals
+    the central finite difference of ``loss`` in every element of its argument."""
+    for i, (x, w) in enumerate(zip(args, want)):
+        fd = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            plus, minus = [a.copy() for a in args], [a.copy() for a in args]
+            plus[i][idx] += eps
+            minus[i][idx] -= eps
+            fd[idx] = (loss(*plus) - loss(*minus)) / (2 * eps)
+        np.testing.assert_allclose(w, fd, rtol=rtol, atol=atol, err_msg=f"argument {i}")
+
+
 def assert_bitwise_equal(a, b, what=""):
     a, b = np.asarray(a), np.asarray(b)
     assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"

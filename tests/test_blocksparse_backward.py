@@ -14,8 +14,8 @@ import adapters.torch as at
 from adapters.torch._register import OPS
 from core_kernels.blocksparse_attention import (BlocksparseDecodeConfig, blocksparse_attention_backward_reference,
                                                 blocksparse_attention_reference, build_sparse_layout)
-from harness import (DEVICE, GPU, JaxAdapter, TorchAdapter, assert_bitwise_equal, assert_close, cast, rng,
-                     to_jax, to_torch, torch_to_numpy)
+from harness import (DEVICE, GPU, JaxAdapter, TorchAdapter, assert_bitwise_equal, assert_close,
+                     assert_matches_finite_differences, cast, rng, to_jax, to_torch, torch_to_numpy)
 
 BACKEND = "inductor" if GPU else "aot_eager"
 BS = 16
@@ -64,15 +64,7 @@ def test_reference_matches_finite_differences():
 
     want = blocksparse_attention_backward_reference(*args, c["cu_k"], c["cu_q"], mask, c["go"],
                                                     block_size=bs_small, sm_scale=0.7)
-    eps = 1e-6
-    for i, (x, w) in enumerate(zip(args, want)):
-        fd = np.zeros_like(x)
-        for idx in np.ndindex(x.shape):
-            plus, minus = [a.copy() for a in args], [a.copy() for a in args]
-            plus[i][idx] += eps
-            minus[i][idx] -= eps
-            fd[idx] = (loss(*plus) - loss(*minus)) / (2 * eps)
-        np.testing.assert_allclose(w, fd, rtol=1e-6, atol=1e-7, err_msg=f"argument {i}")
+    assert_matches_finite_differences(loss, args, want)
 
 
 # ------------------------------------------------------------------ both adapters

@@ -8,8 +8,8 @@ import adapters.torch as at
 from adapters.torch._register import OPS
 from core_kernels.merge_attn_states import (NO_FP8_BACKWARD, merge_attn_states_backward_reference,
                                             merge_attn_states_reference)
-from harness import (DEVICE, GPU, JaxAdapter, TorchAdapter, assert_bitwise_equal, assert_close, cast,
-                     rng, to_jax, to_torch, torch_to_numpy)
+from harness import (DEVICE, GPU, JaxAdapter, TorchAdapter, assert_bitwise_equal, assert_close,
+                     assert_matches_finite_differences, cast, rng, to_jax, to_torch, torch_to_numpy)
 
 DTYPES = ["float32", "float16"] + (["bfloat16"] if GPU else [])
 BACKEND = "inductor" if GPU else "aot_eager"
@@ -63,15 +63,7 @@ def test_reference_matches_finite_differences():
 
     args = [po, pl, so, sl]
     want = merge_attn_states_backward_reference(po, pl, so, sl, go, gl, ptwc)
-    eps = 1e-6
-    for i, (x, w) in enumerate(zip(args, want)):
-        fd = np.zeros_like(x)
-        for idx in np.ndindex(x.shape):
-            plus, minus = [a.copy() for a in args], [a.copy() for a in args]
-            plus[i][idx] += eps
-            minus[i][idx] -= eps
-            fd[idx] = (loss(*plus) - loss(*minus)) / (2 * eps)
-        np.testing.assert_allclose(w, fd, rtol=1e-6, atol=1e-7, err_msg=f"argument {i}")
+    assert_matches_finite_differences(loss, args, want)
     assert np.all(want[0][ptwc:] == 0) and np.all(want[1][:, ptwc:] == 0), "copied tokens: no prefix grad"
     assert np.array_equal(want[2][ptwc:], go[ptwc:]) and np.array_equal(want[3][:, ptwc:], gl[:, ptwc:])
 

@@ -26,16 +26,12 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import jit
-from .kernels import _add, _sum
+from .kernels import (_count_below, _in_earlier_rows, _locate, _or, _pick, _query_tiles, _row_extent,
+                      _seq_bounds, _sum)
 
 LOG2E = tl.constexpr(1.4426950408889634)   # a constexpr: the GPU compiler refuses plain globals
 
 ROWS_PER_WORD = tl.constexpr(32)  # rows of the transposed layout per int32 word
-
-
-@triton.jit
-def _or(a, b):
-    return a | b
 
 
 @triton.jit
@@ -75,10 +71,7 @@ def _bsattn_bwd_colmask_kernel(
                 g0 = (qb // GROUP) * GROUP
                 hits = kb * 0
                 for rr in tl.static_range(GROUP):
-                    row = g0 + rr
-                    row_c = tl.minimum(row, num_rows - 1)
-                    start = tl.load(p_crow + row_c)
-                    end = tl.where(row < num_rows, tl.load(p_crow + row_c + 1), start)
+                    start, end = _row_extent(p_crow, g0 + rr, num_rows)
                     for off in range(start, end, CNT_CHUNK):
                         o = off + o_c
                         b_c = tl.load(p_col + o, mask=o < end, other=-1)  # [CNT_CHUNK]
@@ -115,6 +108,21 @@ def _bsattn_bwd_preprocess_kernel(
     b_do = tl.load(do_ptr + rows[:, None] * stride_dot + i_h * stride_doh + o_d[None, :], mask=m,
                    other=0.0).to(tl.float32)
     tl.store(delta_ptr + rows * num_heads + i_h, _sum(b_o * b_do, 1), mask=m_t)
+
+
+@triton.jit
+def _load_query_tile(q_ptr, do_ptr, lse_ptr, delta_ptr, q_rows, i_h, o_d, m_m, m_md,
+                     num_heads: tl.constexpr, stride_qt: tl.constexpr, stride_qh: tl.constexpr,
+                     stride_dot: tl.constexpr, stride_doh: tl.constexpr):
+    """A query tile's q, dO [BLOCK_M, BLOCK_D], LSE in base 2 and delta [BLOCK_M]
+    (head i_h, token rows q_rows)."""
+    b_q = tl.load(q_ptr + q_rows[:, None] * stride_qt + i_h * stride_qh + o_d[None, :], mask=m_md,
+                  other=0.0)                                                  # [BLOCK_M, BLOCK_D]
+    b_do = tl.load(do_ptr + q_rows[:, None] * stride_dot + i_h * stride_doh + o_d[None, :],
+                   mask=m_md, other=0.0)
+    b_lse2 = tl.load(lse_ptr + q_rows * num_heads + i_h, mask=m_m, other=0.0) * LOG2E
+    b_delta = tl.load(delta_ptr + q_rows * num_heads + i_h, mask=m_m, other=0.0)
+    return b_q, b_do, b_lse2, b_delta
 
 
 @triton.jit
@@ -176,29 +184,17 @@ def _bsattn_bwd_dq_kernel(
     flat = tl.num_programs(0) // num_heads - 1 - pid // num_heads   # heaviest tiles first
 
     # ---- tile schedule from cu_seqlens, on the device (as the forward)
-    o_b = tl.arange(0, B_P2)
-    m_b = o_b < num_seqs
-    k_lo_b = tl.load(cu_k_ptr + o_b, mask=m_b, other=0)
-    k_len_b = tl.load(cu_k_ptr + o_b + 1, mask=m_b, other=0) - k_lo_b
-    if DECODE_Q:  # no cu_seqlens_q, one query per sequence
-        q_lo_b = o_b
-        q_len_b = tl.where(m_b, 1, 0)
-    else:
-        q_lo_b = tl.load(cu_q_ptr + o_b, mask=m_b, other=0)
-        q_len_b = tl.load(cu_q_ptr + o_b + 1, mask=m_b, other=0) - q_lo_b
-    past_b = k_len_b - q_len_b
-    first_b = past_b // BLOCK_M
-    tiles_b = tl.where(q_len_b > 0, (k_len_b + BLOCK_M - 1) // BLOCK_M - first_b, 0)
-    end_b = tl.associative_scan(tiles_b, 0, _add)
-    i_b = _sum((end_b <= flat).to(tl.int32), 0)
+    o_b, k_lo_b, k_len_b, q_lo_b, q_len_b = _seq_bounds(cu_k_ptr, cu_q_ptr, num_seqs, B_P2, DECODE_Q)
+    past_b, first_b, tiles_b = _query_tiles(k_len_b, q_len_b, BLOCK_M)
+    end_b, i_b = _locate(tiles_b, flat)
     if i_b >= num_seqs:
         return
     sel = o_b == i_b
-    k_lo = _sum(tl.where(sel, k_lo_b, 0), 0)
-    k_len = _sum(tl.where(sel, k_len_b, 0), 0)
-    q_lo = _sum(tl.where(sel, q_lo_b, 0), 0)
-    past = _sum(tl.where(sel, past_b, 0), 0)
-    tile = _sum(tl.where(sel, first_b + flat - end_b + tiles_b, 0), 0)
+    k_lo = _pick(sel, k_lo_b)
+    k_len = _pick(sel, k_len_b)
+    q_lo = _pick(sel, q_lo_b)
+    past = _pick(sel, past_b)
+    tile = _pick(sel, first_b + flat - end_b + tiles_b)
 
     # ---- query tile: q, dO, LSE (base 2), delta
     o_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -207,12 +203,9 @@ def _bsattn_bwd_dq_kernel(
     m_d = o_d < head_size
     q_rows = (q_lo + o_m - past).to(tl.int64)
     m_md = m_m[:, None] & m_d[None, :]
-    b_q = tl.load(q_ptr + q_rows[:, None] * stride_qt + i_h * stride_qh + o_d[None, :], mask=m_md,
-                  other=0.0)                                                  # [BLOCK_M, BLOCK_D]
-    b_do = tl.load(do_ptr + q_rows[:, None] * stride_dot + i_h * stride_doh + o_d[None, :],
-                   mask=m_md, other=0.0)
-    b_lse2 = tl.load(lse_ptr + q_rows * num_heads + i_h, mask=m_m, other=0.0) * LOG2E
-    b_delta = tl.load(delta_ptr + q_rows * num_heads + i_h, mask=m_m, other=0.0)
+    b_q, b_do, b_lse2, b_delta = _load_query_tile(q_ptr, do_ptr, lse_ptr, delta_ptr, q_rows, i_h, o_d,
+                                                  m_m, m_md, num_heads, stride_qt, stride_qh,
+                                                  stride_dot, stride_doh)
 
     i_kvh = (i_h // num_queries_per_kv).to(tl.int64)
     k_base = k_ptr + k_lo.to(tl.int64) * stride_kt + i_kvh * stride_kh
@@ -230,11 +223,7 @@ def _bsattn_bwd_dq_kernel(
     if GROUP == 1:
         start = tl.load(p_crow + qb)
         end = tl.load(p_crow + qb + 1)
-        n_below = start * 0   # columns below the tile's row: no mask (ascending columns)
-        for off in range(start, end, CNT_CHUNK):
-            o_c = off + tl.arange(0, CNT_CHUNK)
-            b_c = tl.load(p_col + o_c, mask=o_c < end, other=2147483647)
-            n_below += _sum((b_c < qb).to(tl.int32), 0)
+        n_below = _count_below(p_col, start, end, qb, CNT_CHUNK)
         for j in range(start * SUB, (start + n_below) * SUB):
             c = tl.load(p_col + j // SUB)
             kstart = (c * BLOCK_SIZE + (j % SUB) * BLOCK_N).to(tl.int64)
@@ -251,19 +240,10 @@ def _bsattn_bwd_dq_kernel(
         # the union of the q block's rows, each column once (as the forward)
         g0 = (qb // GROUP) * GROUP
         for r in tl.static_range(GROUP):
-            row = g0 + r
-            row_c = tl.minimum(row, num_rows - 1)
-            start = tl.load(p_crow + row_c)
-            end = tl.where(row < num_rows, tl.load(p_crow + row_c + 1), start)
+            start, end = _row_extent(p_crow, g0 + r, num_rows)
             for j in range(start * SUB, end * SUB):
                 c = tl.load(p_col + j // SUB)
-                drop = c * 0
-                for r2 in tl.static_range(r):
-                    s2 = tl.load(p_crow + g0 + r2)
-                    e2 = tl.load(p_crow + g0 + r2 + 1)
-                    o_c = s2 + tl.arange(0, NNZ_P2)
-                    b_c = tl.load(p_col + o_c, mask=o_c < e2, other=-1)
-                    drop += _sum((b_c == c).to(tl.int32), 0)
+                drop = _in_earlier_rows(p_crow, p_col, g0, c, r, NNZ_P2)
                 kstart = (c * BLOCK_SIZE + (j % SUB) * BLOCK_N).to(tl.int64)
                 b_dq = _dq_step(b_dq, b_q, b_do, b_lse2, b_delta,
                                 k_base + kstart * stride_kt + k_offs,
@@ -286,12 +266,9 @@ def _dkdv_step(b_dk, b_dv, b_k, b_v, q_ptr, do_ptr, lse_ptr, delta_ptr, i_h, q_l
     m_m = (o_m >= past) & (o_m < k_len)
     q_rows = (q_lo + o_m - past).to(tl.int64)
     m_md = m_m[:, None] & m_d[None, :]
-    b_q = tl.load(q_ptr + q_rows[:, None] * stride_qt + i_h * stride_qh + o_d[None, :], mask=m_md,
-                  other=0.0)                                                  # [BLOCK_M, BLOCK_D]
-    b_do = tl.load(do_ptr + q_rows[:, None] * stride_dot + i_h * stride_doh + o_d[None, :],
-                   mask=m_md, other=0.0)
-    b_lse2 = tl.load(lse_ptr + q_rows * num_heads + i_h, mask=m_m, other=0.0) * LOG2E
-    b_delta = tl.load(delta_ptr + q_rows * num_heads + i_h, mask=m_m, other=0.0)
+    b_q, b_do, b_lse2, b_delta = _load_query_tile(q_ptr, do_ptr, lse_ptr, delta_ptr, q_rows, i_h, o_d,
+                                                  m_m, m_md, num_heads, stride_qt, stride_qh,
+                                                  stride_dot, stride_doh)
     b_st = _dot(b_k, tl.trans(b_q), IS_FP32)                                  # [BLOCK_N, BLOCK_M]
     b_pt = tl.math.exp2(b_st * QK_SCALE - b_lse2[None, :])
     # causal (key <= query) within the sequence's query rows; keys past k_len
@@ -331,28 +308,18 @@ def _bsattn_bwd_dkdv_kernel(
 
     # ---- key tile schedule from cu_seqlens: every key of every sequence (a key no
     # query attends to gets zero gradients, written here)
-    o_b = tl.arange(0, B_P2)
-    m_b = o_b < num_seqs
-    k_lo_b = tl.load(cu_k_ptr + o_b, mask=m_b, other=0)
-    k_len_b = tl.load(cu_k_ptr + o_b + 1, mask=m_b, other=0) - k_lo_b
-    if DECODE_Q:  # no cu_seqlens_q, one query per sequence
-        q_lo_b = o_b
-        q_len_b = tl.where(m_b, 1, 0)
-    else:
-        q_lo_b = tl.load(cu_q_ptr + o_b, mask=m_b, other=0)
-        q_len_b = tl.load(cu_q_ptr + o_b + 1, mask=m_b, other=0) - q_lo_b
+    o_b, k_lo_b, k_len_b, q_lo_b, q_len_b = _seq_bounds(cu_k_ptr, cu_q_ptr, num_seqs, B_P2, DECODE_Q)
     tiles_b = (k_len_b + BLOCK_N - 1) // BLOCK_N
-    end_b = tl.associative_scan(tiles_b, 0, _add)
-    i_b = _sum((end_b <= flat).to(tl.int32), 0)
+    end_b, i_b = _locate(tiles_b, flat)
     if i_b >= num_seqs:
         return
     sel = o_b == i_b
-    k_lo = _sum(tl.where(sel, k_lo_b, 0), 0)
-    k_len = _sum(tl.where(sel, k_len_b, 0), 0)
-    q_lo = _sum(tl.where(sel, q_lo_b, 0), 0)
-    q_len = _sum(tl.where(sel, q_len_b, 0), 0)
+    k_lo = _pick(sel, k_lo_b)
+    k_len = _pick(sel, k_len_b)
+    q_lo = _pick(sel, q_lo_b)
+    q_len = _pick(sel, q_len_b)
     past = k_len - q_len
-    tile = _sum(tl.where(sel, flat - end_b + tiles_b, 0), 0)
+    tile = _pick(sel, flat - end_b + tiles_b)
 
     kstart = tile * BLOCK_N
     o_n = kstart + tl.arange(0, BLOCK_N)                                      # key positions

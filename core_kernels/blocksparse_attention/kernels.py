@@ -55,6 +55,83 @@ def _max(x, AXIS: tl.constexpr):
 
 
 @triton.jit
+def _seq_bounds(cu_k_ptr, cu_q_ptr, num_seqs, B_P2: tl.constexpr, DECODE_Q: tl.constexpr):
+    """Per sequence ([B_P2], the batch padded): first key row, key count, first
+    query row, query count, read from cu_seqlens on the device."""
+    o_b = tl.arange(0, B_P2)
+    m_b = o_b < num_seqs
+    k_lo_b = tl.load(cu_k_ptr + o_b, mask=m_b, other=0)
+    k_len_b = tl.load(cu_k_ptr + o_b + 1, mask=m_b, other=0) - k_lo_b
+    if DECODE_Q:  # no cu_seqlens_q, one query per sequence
+        q_lo_b = o_b
+        q_len_b = tl.where(m_b, 1, 0)
+    else:
+        q_lo_b = tl.load(cu_q_ptr + o_b, mask=m_b, other=0)
+        q_len_b = tl.load(cu_q_ptr + o_b + 1, mask=m_b, other=0) - q_lo_b
+    return o_b, k_lo_b, k_len_b, q_lo_b, q_len_b
+
+
+@triton.jit
+def _pick(sel, x_b):
+    """x_b [B_P2] at the one sequence where sel is set."""
+    return _sum(tl.where(sel, x_b, 0), 0)
+
+
+@triton.jit
+def _query_tiles(k_len_b, q_len_b, BLOCK_M: tl.constexpr):
+    """Per sequence: past_b = k_len - q_len, and its query tiles (aligned to
+    absolute positions): the first one's index first_b and their count tiles_b."""
+    past_b = k_len_b - q_len_b
+    first_b = past_b // BLOCK_M
+    tiles_b = tl.where(q_len_b > 0, (k_len_b + BLOCK_M - 1) // BLOCK_M - first_b, 0)
+    return past_b, first_b, tiles_b
+
+
+@triton.jit
+def _locate(tiles_b, flat):
+    """Tile number flat of all sequences' tiles in turn (tiles_b each): end_b,
+    the inclusive cumsum of tiles_b, and the sequence i_b it falls in (the batch
+    size or more past the last tile)."""
+    end_b = tl.associative_scan(tiles_b, 0, _add)
+    return end_b, _sum((end_b <= flat).to(tl.int32), 0)
+
+
+@triton.jit
+def _count_below(p_col, start, end, qb, CNT_CHUNK: tl.constexpr):
+    """How many of the (ascending) columns p_col[start:end] lie below row qb:
+    the key blocks a tile of row qb attends without a causal mask."""
+    n_below = start * 0
+    for off in range(start, end, CNT_CHUNK):
+        o_c = off + tl.arange(0, CNT_CHUNK)
+        b_c = tl.load(p_col + o_c, mask=o_c < end, other=2147483647)
+        n_below += _sum((b_c < qb).to(tl.int32), 0)
+    return n_below
+
+
+@triton.jit
+def _row_extent(p_crow, row, num_rows: tl.constexpr):
+    """[start, end) of layout row ``row`` in col; empty for a row past the last."""
+    row_c = tl.minimum(row, num_rows - 1)
+    start = tl.load(p_crow + row_c)
+    end = tl.where(row < num_rows, tl.load(p_crow + row_c + 1), start)
+    return start, end
+
+
+@triton.jit
+def _in_earlier_rows(p_crow, p_col, g0, c, R: tl.constexpr, NNZ_P2: tl.constexpr):
+    """How many of the rows g0 .. g0 + R - 1 hold column c (0: the union of a
+    q block's rows meets c first in row g0 + R)."""
+    drop = c * 0
+    for r2 in tl.static_range(R):
+        s2 = tl.load(p_crow + g0 + r2)
+        e2 = tl.load(p_crow + g0 + r2 + 1)
+        o_c = s2 + tl.arange(0, NNZ_P2)
+        b_c = tl.load(p_col + o_c, mask=o_c < e2, other=-1)
+        drop += _sum((b_c == c).to(tl.int32), 0)
+    return drop
+
+
+@triton.jit
 def _attend_block(acc, m_i, l_i, b_q, k_ptrs, v_ptrs, kpos, q_pos, k_len, qk_scale, row_ok,
                   m_dk, m_dv, MASKED: tl.constexpr, HAS_ROW_MASK: tl.constexpr,
                   EVEN_D: tl.constexpr, IS_FP32: tl.constexpr, FOLD_SCALE: tl.constexpr):
@@ -211,29 +288,17 @@ def _bsattn_fwd_program(
     flat = tl.num_programs(0) // num_heads - 1 - pid // num_heads
 
     # ---- tile schedule from cu_seqlens, on the device
-    o_b = tl.arange(0, B_P2)
-    m_b = o_b < num_seqs
-    k_lo_b = tl.load(cu_k_ptr + o_b, mask=m_b, other=0)
-    k_len_b = tl.load(cu_k_ptr + o_b + 1, mask=m_b, other=0) - k_lo_b
-    if DECODE_Q:
-        q_lo_b = o_b
-        q_len_b = tl.where(m_b, 1, 0)
-    else:
-        q_lo_b = tl.load(cu_q_ptr + o_b, mask=m_b, other=0)
-        q_len_b = tl.load(cu_q_ptr + o_b + 1, mask=m_b, other=0) - q_lo_b
-    past_b = k_len_b - q_len_b
-    first_b = past_b // BLOCK_M
-    tiles_b = tl.where(q_len_b > 0, (k_len_b + BLOCK_M - 1) // BLOCK_M - first_b, 0)
-    end_b = tl.associative_scan(tiles_b, 0, _add)  # inclusive cumsum 
-    i_b = _sum((end_b <= flat).to(tl.int32), 0)
+    o_b, k_lo_b, k_len_b, q_lo_b, q_len_b = _seq_bounds(cu_k_ptr, cu_q_ptr, num_seqs, B_P2, DECODE_Q)
+    past_b, first_b, tiles_b = _query_tiles(k_len_b, q_len_b, BLOCK_M)
+    end_b, i_b = _locate(tiles_b, flat)
     if i_b >= num_seqs:
         return
     sel = o_b == i_b
-    k_lo = _sum(tl.where(sel, k_lo_b, 0), 0)
-    k_len = _sum(tl.where(sel, k_len_b, 0), 0)
-    q_lo = _sum(tl.where(sel, q_lo_b, 0), 0)
-    past = _sum(tl.where(sel, past_b, 0), 0)
-    tile = _sum(tl.where(sel, first_b + flat - end_b + tiles_b, 0), 0)
+    k_lo = _pick(sel, k_lo_b)
+    k_len = _pick(sel, k_len_b)
+    q_lo = _pick(sel, q_lo_b)
+    past = _pick(sel, past_b)
+    tile = _pick(sel, first_b + flat - end_b + tiles_b)
 
     # ---- query tile
     o_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)          # absolute query positions
@@ -266,12 +331,7 @@ def _bsattn_fwd_program(
     if GROUP == 1:
         start = tl.load(p_crow + qb)
         end = tl.load(p_crow + qb + 1)
-        # columns are ascending: those below the tile's row need no mask
-        n_below = start * 0
-        for off in range(start, end, CNT_CHUNK):
-            o_c = off + tl.arange(0, CNT_CHUNK)
-            b_c = tl.load(p_col + o_c, mask=o_c < end, other=2147483647)
-            n_below += _sum((b_c < qb).to(tl.int32), 0)
+        n_below = _count_below(p_col, start, end, qb, CNT_CHUNK)
         for j in range(start * SUB, (start + n_below) * SUB):
             c = tl.load(p_col + j // SUB)
             kstart = (c * BLOCK_SIZE + (j % SUB) * BLOCK_N).to(tl.int64)
@@ -291,19 +351,10 @@ def _bsattn_fwd_program(
         # each column once (a column already in an earlier row is dropped)
         g0 = (qb // GROUP) * GROUP
         for r in tl.static_range(GROUP):
-            row = g0 + r
-            row_c = tl.minimum(row, num_rows - 1)
-            start = tl.load(p_crow + row_c)
-            end = tl.where(row < num_rows, tl.load(p_crow + row_c + 1), start)
+            start, end = _row_extent(p_crow, g0 + r, num_rows)
             for j in range(start * SUB, end * SUB):
                 c = tl.load(p_col + j // SUB)
-                drop = c * 0
-                for r2 in tl.static_range(r):
-                    s2 = tl.load(p_crow + g0 + r2)
-                    e2 = tl.load(p_crow + g0 + r2 + 1)
-                    o_c = s2 + tl.arange(0, NNZ_P2)
-                    b_c = tl.load(p_col + o_c, mask=o_c < e2, other=-1)
-                    drop += _sum((b_c == c).to(tl.int32), 0)
+                drop = _in_earlier_rows(p_crow, p_col, g0, c, r, NNZ_P2)
                 kstart = (c * BLOCK_SIZE + (j % SUB) * BLOCK_N).to(tl.int64)
                 acc, m_i, l_i = _attend_block(
                     acc, m_i, l_i, b_q, k_base + kstart * stride_kt + k_offs,

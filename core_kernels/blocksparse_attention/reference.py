@@ -32,20 +32,14 @@ def crow_col_to_dense(crow, col, nb=None):
     return out
 
 
-def blocksparse_attention_reference(q, k, v, cu_seqlens_k, cu_seqlens_q, block_mask, *,
-                                    block_size, sm_scale=None, q_block_size=None):
-    """float64 [Tq, Hq, D].
-
-    ``block_mask`` [H or 1, NB, NB] bool: rows are absolute query blocks of
-    ``block_size`` tokens. With q_block_size = m * block_size, a query attends
-    to the union of the columns of the m rows of its q block. Queries are the
-    last q_len positions of each sequence; keys at positions <= the query's.
-    """
+def _prepare(q, k, v, cu_seqlens_k, cu_seqlens_q, block_mask, block_size, sm_scale, q_block_size):
+    """float64 q, k, v; int64 cu_k, cu_q (cu_q derived when cu_seqlens_q is
+    None); the softmax scale; and the block mask per query head [Hq, NB, NB],
+    each row already the union of the rows of its q block."""
     q = np.asarray(q, np.float64)
     k = np.asarray(k, np.float64)
     v = np.asarray(v, np.float64)
     tq, hq, d = q.shape
-    hkv = k.shape[1]
     cu_k = np.asarray(cu_seqlens_k, np.int64)
     b = len(cu_k) - 1
     if cu_seqlens_q is None:
@@ -64,8 +58,24 @@ def blocksparse_attention_reference(q, k, v, cu_seqlens_k, cu_seqlens_q, block_m
         pad[:, :nb] = bm
         union = pad.reshape(hq, groups, m, nb).any(2)
         bm = np.repeat(union, m, axis=1)[:, :nb]
+    return q, k, v, cu_k, cu_q, scale, bm
+
+
+def blocksparse_attention_reference(q, k, v, cu_seqlens_k, cu_seqlens_q, block_mask, *,
+                                    block_size, sm_scale=None, q_block_size=None):
+    """float64 [Tq, Hq, D].
+
+    ``block_mask`` [H or 1, NB, NB] bool: rows are absolute query blocks of
+    ``block_size`` tokens. With q_block_size = m * block_size, a query attends
+    to the union of the columns of the m rows of its q block. Queries are the
+    last q_len positions of each sequence; keys at positions <= the query's.
+    """
+    q, k, v, cu_k, cu_q, scale, bm = _prepare(q, k, v, cu_seqlens_k, cu_seqlens_q, block_mask,
+                                              block_size, sm_scale, q_block_size)
+    tq, hq, d = q.shape
+    hkv = k.shape[1]
     out = np.zeros((tq, hq, d))
-    for i in range(b):
+    for i in range(len(cu_k) - 1):
         kl = cu_k[i + 1] - cu_k[i]
         ql = cu_q[i + 1] - cu_q[i]
         past = kl - ql
@@ -96,31 +106,12 @@ def blocksparse_attention_backward_reference(q, k, v, cu_seqlens_k, cu_seqlens_q
     GQA: a KV head's dk / dv sum over the query heads that read it. Tokens
     outside every sequence get zero gradients. Arguments as
     :func:`blocksparse_attention_reference`."""
-    q = np.asarray(q, np.float64)
-    k = np.asarray(k, np.float64)
-    v = np.asarray(v, np.float64)
+    q, k, v, cu_k, cu_q, scale, bm = _prepare(q, k, v, cu_seqlens_k, cu_seqlens_q, block_mask,
+                                              block_size, sm_scale, q_block_size)
     go = np.asarray(grad_output, np.float64)
-    tq, hq, d = q.shape
-    hkv = k.shape[1]
-    cu_k = np.asarray(cu_seqlens_k, np.int64)
-    b = len(cu_k) - 1
-    if cu_seqlens_q is None:
-        cu_q = np.arange(b + 1) if tq == b else cu_k
-    else:
-        cu_q = np.asarray(cu_seqlens_q, np.int64)
-    scale = 1.0 / np.sqrt(d) if sm_scale is None else float(sm_scale)
-    bm = np.asarray(block_mask, bool)
-    if bm.shape[0] == 1:
-        bm = np.broadcast_to(bm, (hq,) + bm.shape[1:])
-    nb = bm.shape[1]
-    m = 1 if q_block_size is None else q_block_size // block_size
-    if m > 1:
-        groups = -(-nb // m)
-        pad = np.zeros((hq, groups * m, nb), bool)
-        pad[:, :nb] = bm
-        bm = np.repeat(pad.reshape(hq, groups, m, nb).any(2), m, axis=1)[:, :nb]
+    hq, hkv = q.shape[1], k.shape[1]
     dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
-    for i in range(b):
+    for i in range(len(cu_k) - 1):
         kl = cu_k[i + 1] - cu_k[i]
         ql = cu_q[i + 1] - cu_q[i]
         qpos = kl - ql + np.arange(ql)

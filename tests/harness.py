@@ -143,7 +143,19 @@ class TorchAdapter:
 
 
 class JaxAdapter:
-    """Mixin for the JAX subclass of an op's test base: arrays as JAX arrays."""
+    """Mixin for the JAX subclass of an op's test base: arrays as JAX arrays.
+
+    ``CPU_SKIP``: test names (with their parameter ids) the subclass runs on the
+    GPU only. NOTE: CI time (2 cores, the whole suite under 15 minutes): under the
+    interpreter these repeat kernel coverage the torch class has at the same
+    shapes, while the JAX plumbing stays covered by the class's other tests and
+    the torch-vs-JAX bitwise tests."""
     adapter = "jax"
     array = staticmethod(to_jax)
     numpy = staticmethod(jax_to_numpy)
+    CPU_SKIP: tuple = ()
+
+    @pytest.fixture(autouse=True)
+    def _cpu_skip(self, request):
+        if not GPU and request.node.name in self.CPU_SKIP:
+            pytest.skip("GPU only (the torch class covers it on the CPU)")

@@ -73,8 +73,7 @@ def _backward(ctx, grad_output, grad_kv):
     block_size, final_only = ctx.options
     # NOTE: the kernels read grad_output with a unit last stride and grad_kv
     # contiguous; autograd may hand over expanded or permuted gradients
-    grad_output = torch.zeros_like(q[..., :1].expand(*q.shape[:3], v.shape[-1])) \
-        if grad_output is None else grad_output.contiguous()
+    grad_output = q.new_zeros((*q.shape[:3], v.shape[-1])) if grad_output is None else grad_output.contiguous()
     grad_kv = None if grad_kv is None else grad_kv.contiguous()
     dq, dk, dv, dhist, ded = _backward_op(q, k, v, ed, kv_history, kv, grad_output, grad_kv,
                                           block_size, final_only, bool(ctx.needs_input_grad[3]))

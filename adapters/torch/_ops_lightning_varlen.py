@@ -77,8 +77,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_output, grad_states):
     q, k, v, ed, cu_seqlens, states = ctx.saved_tensors
     # NOTE: the kernels read the gradients with a unit last stride / contiguous
-    grad_output = torch.zeros((*q.shape[:2], v.shape[-1]), dtype=q.dtype, device=q.device) \
-        if grad_output is None else grad_output.contiguous()
+    grad_output = q.new_zeros((*q.shape[:2], v.shape[-1])) if grad_output is None else grad_output.contiguous()
     grad_states = None if grad_states is None else grad_states.contiguous()
     dq, dk, dv, ded = _backward_op(q, k, v, ed, cu_seqlens, states, grad_output, grad_states,
                                    bool(ctx.needs_input_grad[3]))

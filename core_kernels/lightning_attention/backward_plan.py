@@ -11,7 +11,8 @@ from .._plan import (ArrayInfo, Buffer, Launch, Plan, Scalar, cdiv, check_config
 from .._target import Target
 from .backward_kernels import (_lightning_bwd_decay_kernel, _lightning_bwd_dkv_kernel,
                                _lightning_bwd_dq_kernel)
-from .plan import DEFAULT_DOT_PRECISION, DOT_PRECISIONS, _validate_prefill, prefill_state_shape
+from .plan import (DEFAULT_DOT_PRECISION, DOT_PRECISIONS, _chunking, _validate_prefill,
+                   prefill_state_shape)
 
 
 @config_class
@@ -74,13 +75,7 @@ def plan_lightning_attention_backward(
             buffers[name] = Buffer(buffers[name].shape, buffers[name].dtype, zero_init=True)
         return Plan(buffers, (), BACKWARD_RESULTS)
     # chunks laid out per returned state block, as the forward's (kernels.py)
-    if p.final_only:
-        block_len, chunks = c.block_t, 1
-    else:
-        block_len, chunks = p.block_size, cdiv(p.block_size, c.block_t)
-    num_blocks = cdiv(p.n, block_len)
-    tail = p.n - (num_blocks - 1) * block_len
-    num_chunks = (num_blocks - 1) * chunks + cdiv(tail, c.block_t)
+    block_len, chunks, _, num_chunks = _chunking(p, c.block_t)
     strides = {n: info.strides[:3] for n, info in (("q", p.q), ("k", p.k), ("v", p.v), ("o", grad_output))}
     launches = _launches(target, c, buffers, _Dims(p.b, p.h, p.d, p.e, p.dtype, p.ed.strides[0]), strides,
                          dict(seq_len=Scalar(p.n), block_len=Scalar(block_len), num_chunks=Scalar(num_chunks)),

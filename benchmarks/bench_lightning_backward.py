@@ -3,14 +3,17 @@ flash-linear-attention's chunk_simple_gla (fla-core 0.6.0, a benchmark-only
 wheel: g_gamma = -ed, scale 1, [B, T, H, D] layout, final state; the
 comparison of gpu.md) in the same run.
 
-    PYTHONPATH=. python benchmarks/bench_lightning_backward.py
+    PYTHONPATH=. python benchmarks/bench_lightning_backward.py [--sweep]
 
 Shapes: B1 H64 N4096 and B4 H64 N1024, D = E = 128, bf16 and fp32, final state
 only, loss = sum(o * dO) + sum(kv * dKV). Times: median of triton's do_bench
 (L2 flushed) for forward + backward through torch autograd, every input
 requiring grad except ed (a constant, as in MiniMax). Also checks torch vs JAX gradients bitwise and that
 the backward is bitwise deterministic. Target: ours <= 0.5x fla's time.
-Imports on a CPU-only machine; running needs a CUDA GPU.
+Imports on a CPU-only machine; running needs a CUDA GPU. ``--sweep``: the
+backward launch alone (its plan run directly) over LightningBackwardConfig's
+tiles, warps and stages at the same shapes (the measurement behind the
+plan's default configs).
 """
 from __future__ import annotations
 
@@ -92,5 +95,43 @@ def _torch_vs_jax():
         print(f"torch vs JAX {name}: {'bitwise equal' if same else 'DIFFER'}")
 
 
+def sweep():
+    import itertools
+    import torch
+    import adapters.torch as at
+    from adapters.torch._executor import planned, run_plan
+    from core_kernels.lightning_attention import LightningBackwardConfig, plan_lightning_attention_backward
+    from benchmarks.timing import kernel_time_torch
+    grid = list(itertools.product((32, 64), (32, 64), (4, 8), (1,))) + [(64, 64, 8, 2), (32, 64, 8, 2)]
+    for dtype in (torch.bfloat16, torch.float32):
+        for b, h, n, d in SHAPES:
+            g = torch.Generator(device="cpu").manual_seed(0)
+            q, k, v = (torch.randn(b, h, n, d, generator=g).mul(0.3).to("cuda", dtype) for _ in range(3))
+            ed = torch.rand(h, generator=g).mul(0.5).add(0.01).to("cuda")
+            do = torch.randn(b, h, n, d, generator=g).to("cuda", dtype)
+            _, kv = at.lightning_attention(q, k, v, ed, 256, None, True)
+            dkv = torch.randn_like(kv)
+            arrays = dict(q=q, k=k, v=v, ed=ed, kv_history=None, kv=kv, grad_output=do, grad_kv=dkv)
+            rows = []
+            for block_t, tile, warps, stages in grid:
+                cfg = LightningBackwardConfig(block_t=block_t, block_d=tile, block_e=tile, num_warps=warps,
+                                              num_stages=stages)
+                try:
+                    plan, dev = planned(plan_lightning_attention_backward, arrays, block_size=256,
+                                        output_final_state_only=True, need_grad_ed=False, config=cfg)
+                    tensors = {n_: t for n_, t in arrays.items() if t is not None}
+                    t = kernel_time_torch(lambda: run_plan(plan, tensors, device=dev), warmup_ms=10, rep_ms=60)
+                    rows.append((t, cfg))
+                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
+                    print(f"  {cfg}: {type(exc).__name__}: {str(exc)[:100]}")
+            rows.sort(key=lambda r: r[0])
+            print(f"{str(dtype)[6:]} B{b} H{h} N{n} D{d}: backward alone, {len(rows)} configs", flush=True)
+            for t, cfg in rows:
+                print(f"  {t * 1e6:8.1f} us  block_t {cfg.block_t} tile {cfg.block_d} warps {cfg.num_warps} "
+                      f"stages {cfg.num_stages}",
+                      flush=True)
+
+
 if __name__ == "__main__":
-    run()
+    import sys
+    sweep() if "--sweep" in sys.argv[1:] else run()

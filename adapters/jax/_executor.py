@@ -154,7 +154,16 @@ def run_plan(plan: Plan, arrays: dict, tgt: Target, runtime: dict | None = None)
             input_output_aliases=aliases, zeroed_outputs=zeroed,
             num_warps=launch.num_warps, num_stages=launch.num_stages, **launch.constexprs)
         env.update(zip(launch.outputs, outs))
-    return tuple(env[r] for r in plan.results)
+    return tuple(env[r] if r in env else _unwritten(plan, r) for r in plan.results)
+
+
+def _unwritten(plan: Plan, name: str):
+    """A zero-initialised result that no launch names (e.g. a gradient the plan
+    knows is zero)."""
+    buf = plan.buffers[name]
+    if not buf.zero_init:
+        raise AssertionError(f"plan result {name!r} is written by no launch and not zero-initialised")
+    return jnp.zeros(buf.shape, jnp.dtype(buf.dtype))
 
 
 def _run_interpreted(plan: Plan, arrays: dict, runtime: dict) -> tuple:

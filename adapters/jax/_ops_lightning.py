@@ -4,7 +4,9 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from core_kernels import _index_check
 from core_kernels._plan import as_int
@@ -59,15 +61,15 @@ def _prefill(arrays, *, block_size, output_final_state_only, config):
 
 
 def lightning_attention_backward(q, k, v, ed, kv_history, kv, grad_output, grad_kv, *,
-                                 block_size=256, output_final_state_only=False):
+                                 block_size=256, output_final_state_only=False, need_grad_ed=True):
     """Gradients of :func:`lightning_attention`: (dq, dk, dv, d kv_history float32
-    [B, H, D, E] (zeros without kv_history), d ed float32 [H]) from the forward's
-    inputs, its returned states ``kv`` and the output gradients (``grad_kv`` may
-    be None). The kernels of the torch adapter's backward (bitwise the same).
-    The decay's gradient is always computed (a custom VJP cannot tell whether it
-    is needed), so dq and dk use the exact products: bitwise equal to torch
-    where ed requires grad there. Batched by jax.vmap (heads) and partitioned
-    over heads, as the forward."""
+    [B, H, D, E] (zeros without kv_history), d ed float32 [H] (zeros unless
+    ``need_grad_ed``)) from the forward's inputs, its returned states ``kv``
+    and the output gradients (``grad_kv`` may be None). The kernels of the
+    torch adapter's backward (bitwise the same). Under jax.grad the decay's
+    gradient is computed only where ed is differentiated (the custom VJP's
+    symbolic zeros tell). Batched by jax.vmap (heads) and partitioned over
+    heads, as the forward."""
     arrays = dict(q=q, k=k, v=v, ed=ed, kv=kv, grad_output=grad_output)
     if kv_history is not None:
         arrays["kv_history"] = kv_history
@@ -75,16 +77,16 @@ def lightning_attention_backward(q, k, v, ed, kv_history, kv, grad_output, grad_
         arrays["grad_kv"] = grad_kv
     return _spmd.call(LIGHTNING_ATTENTION_BACKWARD, _backward, arrays,
                       block_size=as_int("block_size", block_size),
-                      output_final_state_only=output_final_state_only)
+                      output_final_state_only=output_final_state_only, need_grad_ed=bool(need_grad_ed))
 
 
-def _backward(arrays, *, block_size, output_final_state_only):
+def _backward(arrays, *, block_size, output_final_state_only, need_grad_ed):
     tgt = target(arrays)
     plan = plan_lightning_attention_backward(
         tgt, *(info(arrays[n]) for n in ("q", "k", "v", "ed")),
         *(None if arrays.get(n) is None else info(arrays[n]) for n in ("kv_history", "kv", "grad_output",
                                                                        "grad_kv")),
-        block_size=block_size, output_final_state_only=output_final_state_only)
+        block_size=block_size, output_final_state_only=output_final_state_only, need_grad_ed=need_grad_ed)
     return run_plan(plan, arrays, tgt)
 
 
@@ -109,19 +111,29 @@ def with_vjp(forward, backward):
         def prefill(*args):
             return run(*args)
 
+        # NOTE: symbolic zeros tell whether ed is differentiated (its gradient,
+        # the decay's tangent, adds work to the dQ programs); the flag is static, so it travels in this closure, not in the residuals
+        ed_perturbed = []
+
         def prefill_fwd(*args):
+            ed_perturbed.append(args[3].perturbed)
+            args = tuple(a.value for a in args)
             out = run(*args)
             return out, (args, out[1])
 
         def prefill_bwd(res, grads):
             args, kv = res
             q, k, v, ed, *hist = args
+            grad_o, grad_kv = (None if isinstance(g, SymbolicZero) else g for g in grads)
+            if grad_o is None:
+                grad_o = jnp.zeros(grads[0].shape, grads[0].dtype)
+            need = ed_perturbed[-1] if ed_perturbed else True
             dq, dk, dv, dhist, ded = backward(
-                q, k, v, ed, hist[0] if hist else None, kv, grads[0], grads[1], **options)
+                q, k, v, ed, hist[0] if hist else None, kv, grad_o, grad_kv, need_grad_ed=need, **options)
             out = (dq, dk, dv, ded.reshape(ed.shape))
             return out + ((dhist.astype(hist[0].dtype),) if hist else ())
 
-        prefill.defvjp(prefill_fwd, prefill_bwd)
+        prefill.defvjp(prefill_fwd, prefill_bwd, symbolic_zeros=True)
         return prefill(*primals)
 
     return lightning_attention

@@ -1,6 +1,6 @@
 """Triton kernels for the backward of lightning attention (prefill).
 
-Forward, per (b, h) with lambda = exp(-s): S_t = lambda S_{t-1} + k_t^T v_t,
+Forward, per (b, h) with lambda = exp(-s) = e^a: S_t = lambda S_{t-1} + k_t^T v_t,
 o_t = q_t S_t (S_{-1} = kv_history or 0); the returned states are S after each
 block of block_size tokens (and S_{-1} first), or the final state only.
 
@@ -21,22 +21,37 @@ state after it (from later tokens and returned states):
     Dst <- lambda^L Dst + (lambda^(r+1) Q)^T dO          (walking backwards)
     S0  <- lambda^L S0 + (lambda^(L-1-r) K)^T V           (walking forwards)
 
-so the cost is linear in N. Three kernels, each a program per (b, h, tile):
-dQ walks forwards over a D-tile of the state (all of E); dK walks backwards
-over a D-tile of the adjoint (all of E); dV walks backwards over an E-tile
-(all of D). Every gradient element is written by one program, in a fixed order:
-deterministic, no atomics.
+so the cost is linear in N. Three launches, each a program per (b, h, tile): dQ walks forwards over a D-tile of the state (all
+of E); dK walks backwards over a D-tile of the adjoint (all of E); dV walks
+backwards over an E-tile (all of D). Every gradient element is written by one
+program, in a fixed order: deterministic, no atomics. NOTE: the three kinds
+were also tried as one launch (program index -> kind, runtime branches): on
+the H200 (2026-11-24) its bf16 / fp16 gradients were wrong at odd D / E in a
+pattern that changed from run to run, which the separate launches never
+showed. (A chunk-parallel form, the states before and adjoints after every
+chunk stored by light scans and a program per chunk and gradient, measured no
+faster: 1515 vs 1516 us for the bf16 backward at B1 H64 N4096 on the H200,
+2026-11-24; its chunk programs held 255 registers and up to 160 KB of shared
+memory, one per SM.)
 
-The decay's gradient (a = log lambda = -s; every factor is lambda^m = e^(a m)):
+The decay's gradient (a = log lambda = -s) is the forward's tangent: with
+T_t = dS_t/da = lambda T_{t-1} + lambda S_{t-1} (T_{-1} = 0),
 
-    dL/da = sum_t (t+1) q_t.dq_t - sum_t (t+1) k_t.dk_t + sum_i p_i <dKV_i, KV_i>
+    dL/da = sum_t <dO_t, q_t T_t> + sum_i <dKV_i, T at returned state i>
 
-(p_i tokens precede returned state i), from partial sums the dQ and dK
-programs write; _lightning_bwd_decay_kernel adds them up per head in order.
-The two sums are large and cancel (weights up to N): they accumulate in fp64,
-and when the decay needs a gradient the plan runs the dQ and dK products in
-exact fp32 (NOTE: with bf16 / tf32 products the decay's gradient was off by
-7-16% on the H200 at N = 1000, while dq, dk, dv were within tolerance).
+and per chunk (d/da lambda^m = m lambda^m)
+
+    <dO_r, q_r T_r> = (r+1) lambda^(r+1) q_r.(dO S0^T)_r + lambda^(r+1) q_r.(dO T0^T)_r
+                      + sum_{r'<=r} (r-r') lambda^(r-r') (q_r.k_r') (dO_r.v_r')
+    T0 <- lambda^L T0 + L lambda^L S0 + ((L-1-r) lambda^(L-1-r) K)^T V
+
+which the dQ programs carry next to the state (NEED_DECAY) and sum per
+program (partials over the D-tiles; _lightning_bwd_decay_kernel adds them up
+per head in order). NOTE: every term here is a term of the true derivative, so
+it is as well conditioned as the result. The identity used before,
+dL/da = sum (t+1)(q.dq - k.dk) + ..., subtracts two sums that grow with N: on
+the H200 (2026-11-24, N = 1000 and 4097, fp32 with exact fp32 products and
+fp64 sums) its result was off by 3-4% of the largest gradient.
 """
 import triton
 import triton.language as tl
@@ -53,7 +68,11 @@ def _pow_decay(s, m):
 
 @triton.jit
 def _rows(ptr, base, t0, o_r, m_r, stride_t, o_c, m_c):
-    """[BLOCK_T, len(o_c)] fp32 tile of token rows t0 + o_r (masked rows read 0)."""
+    """[BLOCK_T, len(o_c)] fp32 tile of token rows t0 + o_r (masked rows read 0).
+    NOTE: kept fp32 (each product casts its operands): with the input's dtype
+    kept instead, bf16 dv came out wrong on the H200 at D 20, E 12 (max error
+    0.66 for values of 0.67, 2026-11-24; not isolated), while fp32 and fp16
+    were right."""
     p = ptr + base + (t0 + o_r).to(tl.int64)[:, None] * stride_t + o_c[None, :]
     return tl.load(p, mask=m_r[:, None] & m_c[None, :], other=0.0).to(tl.float32)
 
@@ -80,6 +99,18 @@ def _dot(a, b, acc, DOT_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr):
         return tl.dot(_cast(a, DOT_BF16), _cast(b, DOT_BF16), acc)
     else:
         return tl.dot(_cast(a, DOT_BF16), _cast(b, DOT_BF16), acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _zeros(M: tl.constexpr, N: tl.constexpr):
+    return tl.full([M, N], 0.0, tl.float32)
+
+
+@triton.jit
+def _total(x):
+    """The sum of a 2-D fp32 tile (tl.sum is not callable under the interpreter:
+    kernels.py)."""
+    return tl.reduce(tl.reduce(x, 1, tl.standard._sum_combine), 0, tl.standard._sum_combine)
 
 
 @triton.jit
@@ -110,85 +141,107 @@ def _store_pair(ptr, x):
     tl.store(ptr + 1, (x - hi.to(tl.float64)).to(tl.float32))
 
 
-@jit
-def _lightning_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, hist_ptr, decay_ptr, cu_ptr,
-    num_heads, seq_len, head_k, head_v, block_len, num_chunks, stride_decay,
-    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-    stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
-    stride_hb, stride_hh, stride_hd,
-    dq_ptr, part_ptr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, CHUNKS: tl.constexpr,
-    HAS_HIST: tl.constexpr, DOT_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    VARLEN: tl.constexpr,
-):
-    """dq for one (b, h, D-tile), walking forwards with the state rows of the tile."""
-    i_d = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b, i_h, t_first, n_tok, n_chunks, dq_base, dq_row = _sequence(
-        i_bh, num_heads, seq_len, num_chunks, cu_ptr, head_k, BLOCK_T, VARLEN)
+@triton.jit
+def _state_end(n_tok, block_len, head_k, head_v, t0, n_valid, blk, FINAL_ONLY: tl.constexpr):
+    """(whether the chunk at t0 ends a returned state, that state's offset in the
+    [num_states, D, E] states of one (b, h))."""
+    if FINAL_ONLY:
+        blk_end = n_tok + 0 * t0
+        idx = (0 * blk).to(tl.int64)
+    else:
+        blk_end = tl.minimum((blk + 1) * block_len, n_tok)
+        idx = (blk + 1).to(tl.int64)
+    return (t0 + n_valid == blk_end) & (n_valid > 0), idx * head_k * head_v
+
+
+@triton.jit
+def _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, hist_ptr, dkv_ptr, dq_ptr, part_ptr, part_idx,
+                i_b, i_h, i_bh, i_d, t_first, n_tok, n_chunks, dq_base, dq_row, s,
+                block_len, num_states, head_k, head_v,
+                q_base, k_base, v_base, do_base, stride_qt, stride_kt, stride_vt, stride_ot,
+                stride_hb, stride_hh, stride_hd,
+                BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                CHUNKS: tl.constexpr, HAS_HIST: tl.constexpr, HAS_DKV: tl.constexpr,
+                FINAL_ONLY: tl.constexpr, NEED_DECAY: tl.constexpr, DOT_BF16: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    """dq for one (b, h, D-tile), walking forwards with the state rows of the
+    tile; with NEED_DECAY also the tile's part of dL/da (the tangent T)."""
     o_r = tl.arange(0, BLOCK_T)
     o_d = i_d * BLOCK_D + tl.arange(0, BLOCK_D)
     o_e = tl.arange(0, BLOCK_E)
     m_d = o_d < head_k
     m_e = o_e < head_v
-    s = tl.minimum(tl.load(decay_ptr + i_h * stride_decay).to(tl.float32), 1e30)
-    q_base = i_b * stride_qb + i_h * stride_qh + t_first * stride_qt
-    k_base = i_b * stride_kb + i_h * stride_kh + t_first * stride_kt
-    v_base = i_b * stride_vb + i_h * stride_vh + t_first * stride_vt
-    do_base = i_b * stride_ob + i_h * stride_oh + t_first * stride_ot
     if HAS_HIST:
         p_h = hist_ptr + i_b * stride_hb + i_h * stride_hh + o_d[:, None] * stride_hd + o_e[None, :]
         b_s = tl.load(p_h, mask=m_d[:, None] & m_e[None, :], other=0.0).to(tl.float32)  # [D, E]
     else:
-        b_s = tl.full([BLOCK_D, BLOCK_E], 0.0, tl.float32)
+        b_s = _zeros(BLOCK_D, BLOCK_E)
+    b_tan = _zeros(BLOCK_D, BLOCK_E)  # T = dS/da (NEED_DECAY)
     diff = o_r[:, None] - o_r[None, :]  # r - r'
-    part = tl.full([BLOCK_T, BLOCK_D], 0.0, tl.float64)
+    head = _pow_decay(s, o_r + 1)  # lambda^(r+1)
+    st_base = i_bh.to(tl.int64) * num_states * head_k * head_v
+    o_de = o_d[:, None] * head_v + o_e[None, :]
+    total = 0.0
+    total = total.to(tl.float64)
     for g in range(n_chunks):
         t0, n_valid, blk, j = _chunk_span(g, n_tok, block_len, CHUNKS, BLOCK_T)
         m_r = o_r < n_valid
         b_do = _rows(do_ptr, do_base, t0, o_r, m_r, stride_ot, o_e, m_e)  # [T, E]
         b_v = _rows(v_ptr, v_base, t0, o_r, m_r, stride_vt, o_e, m_e)     # [T, E]
         b_k = _rows(k_ptr, k_base, t0, o_r, m_r, stride_kt, o_d, m_d)     # [T, D]
-        b_q = _rows(q_ptr, q_base, t0, o_r, m_r, stride_qt, o_d, m_d)     # [T, D]
-        w = tl.where((diff >= 0) & m_r[:, None] & m_r[None, :], _pow_decay(s, tl.maximum(diff, 0)), 0.0)
-        b_a = _dot(b_do, _t(b_v, DOT_BF16), tl.full([BLOCK_T, BLOCK_T], 0.0, tl.float32),
-                   DOT_BF16, DOT_PRECISION) * w                            # [T, E] @ [E, T]
-        b_dq = _dot(b_do, _t(b_s, DOT_BF16), tl.full([BLOCK_T, BLOCK_D], 0.0, tl.float32),
-                    DOT_BF16, DOT_PRECISION)                               # [T, E] @ [E, D]
-        b_dq = b_dq * tl.where(m_r, _pow_decay(s, o_r + 1), 0.0)[:, None]
-        b_dq = _dot(b_a, b_k, b_dq, DOT_BF16, DOT_PRECISION)               # [T, T] @ [T, D]
+        # NOTE: W is recomputed per chunk (BLOCK_T^2 exponentials) rather than
+        # held across the loop: registers are the scarce resource here. Rows
+        # past a chunk's end load zeros, so W needs no row mask.
+        w = tl.where(diff >= 0, _pow_decay(s, tl.maximum(diff, 0)), 0.0)
+        b_a = _dot(b_do, _t(b_v, DOT_BF16), _zeros(BLOCK_T, BLOCK_T), DOT_BF16, DOT_PRECISION) * w
+        b_in = _dot(b_do, _t(b_s, DOT_BF16), _zeros(BLOCK_T, BLOCK_D), DOT_BF16, DOT_PRECISION)
+        b_dq = _dot(b_a, b_k, b_in * head[:, None], DOT_BF16, DOT_PRECISION)  # [T, T] @ [T, D]
         p_dq = dq_ptr + dq_base + (t0 + o_r).to(tl.int64)[:, None] * dq_row + o_d[None, :]
         tl.store(p_dq, b_dq.to(dq_ptr.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
-        part += (t0 + o_r + 1).to(tl.float64)[:, None] * (b_q * b_dq).to(tl.float64)
-        b_kd = b_k * tl.where(m_r, _pow_decay(s, tl.maximum(n_valid - 1 - o_r, 0)), 0.0)[:, None]
-        b_s = _dot(_t(b_kd, DOT_BF16), b_v, b_s * _pow_decay(s, n_valid), DOT_BF16, DOT_PRECISION)
-    total = tl.reduce(tl.reduce(part, 1, tl.standard._sum_combine), 0, tl.standard._sum_combine)
-    _store_pair(part_ptr + (i_bh.to(tl.int64) * tl.num_programs(0) + i_d) * 2, total)
+        tail = _pow_decay(s, tl.maximum(n_valid - 1 - o_r, 0))  # lambda^(L-1-r)
+        lam_l = _pow_decay(s, n_valid)
+        if NEED_DECAY:
+            # NOTE: the tangent's products are fp32 (tf32 unless ieee) for bf16
+            # inputs too, dO V^T and dO S0^T taken again at that precision (with
+            # them in bf16, tests/test_lightning_backward.py's bf16 case, which
+            # checks d ed, failed on the H200 on 2026-11-24)
+            b_q = _rows(q_ptr, q_base, t0, o_r, m_r, stride_qt, o_d, m_d)  # [T, D]
+            if DOT_BF16:
+                b_a = _dot(b_do, _t(b_v, False), _zeros(BLOCK_T, BLOCK_T), False, DOT_PRECISION) * w
+                b_in = _dot(b_do, _t(b_s, False), _zeros(BLOCK_T, BLOCK_D), False, DOT_PRECISION)
+            b_qk = _dot(b_q, _t(b_k, False), _zeros(BLOCK_T, BLOCK_T), False, DOT_PRECISION)
+            b_it = _dot(b_do, _t(b_tan, False), _zeros(BLOCK_T, BLOCK_D), False, DOT_PRECISION)
+            rw = (o_r + 1).to(tl.float32)
+            part = _total(b_a * diff.to(tl.float32) * b_qk) + _total(
+                b_q * (b_in * (rw * head)[:, None] + b_it * head[:, None]))
+            total += part.to(tl.float64)
+            b_kt = b_k * (tl.maximum(n_valid - 1 - o_r, 0).to(tl.float32) * tail)[:, None]
+            b_tan = _dot(_t(b_kt, False), b_v, b_tan * lam_l + b_s * (n_valid.to(tl.float32) * lam_l),
+                         False, DOT_PRECISION)
+            if HAS_DKV:
+                at_end, p_st = _state_end(n_tok, block_len, head_k, head_v, t0, n_valid, blk,
+                                          FINAL_ONLY)
+                b_dkv = tl.load(dkv_ptr + st_base + p_st + o_de, mask=m_d[:, None] & m_e[None, :] & at_end,
+                                other=0.0)
+                total += _total(b_dkv * b_tan).to(tl.float64)
+        b_kd = b_k * tail[:, None]
+        b_s = _dot(_t(b_kd, DOT_BF16), b_v, b_s * lam_l, DOT_BF16, DOT_PRECISION)
+    if NEED_DECAY:
+        _store_pair(part_ptr + part_idx * 2, total)
 
 
-@jit
-def _lightning_bwd_dkv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, decay_ptr, kv_ptr, dkv_ptr, cu_ptr,
-    num_heads, seq_len, head_k, head_v, block_len, num_chunks, num_states, stride_decay,
-    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
-    stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
-    grad_ptr, dhist_ptr, part_ptr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, CHUNKS: tl.constexpr,
-    FOR_DK: tl.constexpr, HAS_DKV: tl.constexpr, FINAL_ONLY: tl.constexpr, HAS_HIST: tl.constexpr,
-    DOT_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
-):
-    """dk (FOR_DK: the adjoint's rows of one D-tile, all of E; also d kv_history
-    and the decay partial) or dv (the adjoint's columns of one E-tile, all of D)
-    for one (b, h), walking backwards."""
-    i_t = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    if FOR_DK:
-        width = head_k
-    else:
-        width = head_v
-    i_b, i_h, t_first, n_tok, n_chunks, g_base, g_row = _sequence(
-        i_bh, num_heads, seq_len, num_chunks, cu_ptr, width, BLOCK_T, VARLEN)
+@triton.jit
+def _dkv_program(q_ptr, k_ptr, v_ptr, do_ptr, dkv_ptr, grad_ptr, dhist_ptr,
+                 i_bh, i_t, t_first, n_tok, n_chunks, g_base, g_row, s,
+                 block_len, num_states, head_k, head_v,
+                 q_base, k_base, v_base, do_base, stride_qt, stride_kt, stride_vt, stride_ot,
+                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                 CHUNKS: tl.constexpr, FOR_DK: tl.constexpr, HAS_DKV: tl.constexpr,
+                 FINAL_ONLY: tl.constexpr, HAS_HIST: tl.constexpr, DOT_BF16: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """dk (FOR_DK: the adjoint's rows of one D-tile, all of E; also d kv_history)
+    or dv (the adjoint's columns of one E-tile, all of D) for one (b, h),
+    walking backwards."""
     o_r = tl.arange(0, BLOCK_T)
     if FOR_DK:
         o_d = i_t * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -199,60 +252,40 @@ def _lightning_bwd_dkv_kernel(
     m_d = o_d < head_k
     m_e = o_e < head_v
     m_de = m_d[:, None] & m_e[None, :]
-    s = tl.minimum(tl.load(decay_ptr + i_h * stride_decay).to(tl.float32), 1e30)
-    q_base = i_b * stride_qb + i_h * stride_qh + t_first * stride_qt
-    k_base = i_b * stride_kb + i_h * stride_kh + t_first * stride_kt
-    v_base = i_b * stride_vb + i_h * stride_vh + t_first * stride_vt
-    do_base = i_b * stride_ob + i_h * stride_oh + t_first * stride_ot
     # kv and dkv: contiguous [B, H, num_states, D, E] (num_states 1: the final state)
     st_base = i_bh.to(tl.int64) * num_states * head_k * head_v
     o_de = o_d[:, None] * head_v + o_e[None, :]
     diff = o_r[None, :] - o_r[:, None]  # r' - r
-    b_g = tl.full([BLOCK_D, BLOCK_E], 0.0, tl.float32)  # the adjoint Dst of the tile
-    part = tl.full([BLOCK_T, BLOCK_D], 0.0, tl.float64)
-    part_kv = tl.full([BLOCK_D, BLOCK_E], 0.0, tl.float64)
+    head = _pow_decay(s, o_r + 1)  # lambda^(r+1)
+    b_g = _zeros(BLOCK_D, BLOCK_E)  # the adjoint Dst of the tile
     for i in range(n_chunks):
         g = n_chunks - 1 - i
         t0, n_valid, blk, j = _chunk_span(g, n_tok, block_len, CHUNKS, BLOCK_T)
         if HAS_DKV:
             # a returned state ends here: its gradient joins the adjoint
-            if FINAL_ONLY:
-                blk_end = n_tok + 0 * t0
-                p_st = st_base + o_de
-            else:
-                blk_end = tl.minimum((blk + 1) * block_len, n_tok)
-                p_st = st_base + (blk + 1).to(tl.int64) * head_k * head_v + o_de
-            at_end = (t0 + n_valid == blk_end) & (n_valid > 0)
-            b_dkv = tl.load(dkv_ptr + p_st, mask=m_de & at_end, other=0.0)
-            b_g += b_dkv
-            if FOR_DK:
-                b_kv = tl.load(kv_ptr + p_st, mask=m_de & at_end, other=0.0)
-                part_kv += blk_end.to(tl.float64) * (b_dkv * b_kv).to(tl.float64)
+            at_end, p_st = _state_end(n_tok, block_len, head_k, head_v, t0, n_valid, blk,
+                                      FINAL_ONLY)
+            b_g += tl.load(dkv_ptr + st_base + p_st + o_de, mask=m_de & at_end, other=0.0)
         m_r = o_r < n_valid
         b_q = _rows(q_ptr, q_base, t0, o_r, m_r, stride_qt, o_d, m_d)     # [T, D]
-        b_k = _rows(k_ptr, k_base, t0, o_r, m_r, stride_kt, o_d, m_d)     # [T, D]
-        b_v = _rows(v_ptr, v_base, t0, o_r, m_r, stride_vt, o_e, m_e)     # [T, E]
         b_do = _rows(do_ptr, do_base, t0, o_r, m_r, stride_ot, o_e, m_e)  # [T, E]
-        w = tl.where((diff >= 0) & m_r[:, None] & m_r[None, :], _pow_decay(s, tl.maximum(diff, 0)), 0.0)
-        tail = tl.where(m_r, _pow_decay(s, tl.maximum(n_valid - 1 - o_r, 0)), 0.0)  # lambda^(L-1-r)
+        tail = _pow_decay(s, tl.maximum(n_valid - 1 - o_r, 0))  # lambda^(L-1-r)
+        w = tl.where(diff >= 0, _pow_decay(s, tl.maximum(diff, 0)), 0.0)  # as in _dq_program
         if FOR_DK:
-            b_a = _dot(b_v, _t(b_do, DOT_BF16), tl.full([BLOCK_T, BLOCK_T], 0.0, tl.float32),
-                       DOT_BF16, DOT_PRECISION) * w                        # [T, E] @ [E, T]
-            b_grad = _dot(b_v, _t(b_g, DOT_BF16), tl.full([BLOCK_T, BLOCK_D], 0.0, tl.float32),
-                          DOT_BF16, DOT_PRECISION) * tail[:, None]         # [T, E] @ [E, D]
-            b_grad = _dot(b_a, b_q, b_grad, DOT_BF16, DOT_PRECISION)       # [T, T] @ [T, D]
+            b_v = _rows(v_ptr, v_base, t0, o_r, m_r, stride_vt, o_e, m_e)     # [T, E]
+            b_a = _dot(b_v, _t(b_do, DOT_BF16), _zeros(BLOCK_T, BLOCK_T), DOT_BF16, DOT_PRECISION) * w
+            b_grad = _dot(b_v, _t(b_g, DOT_BF16), _zeros(BLOCK_T, BLOCK_D), DOT_BF16, DOT_PRECISION)
+            b_grad = _dot(b_a, b_q, b_grad * tail[:, None], DOT_BF16, DOT_PRECISION)  # [T, T] @ [T, D]
             p_grad = grad_ptr + g_base + (t0 + o_r).to(tl.int64)[:, None] * g_row + o_d[None, :]
             tl.store(p_grad, b_grad.to(grad_ptr.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
-            part += (t0 + o_r + 1).to(tl.float64)[:, None] * (b_k * b_grad).to(tl.float64)
         else:
-            b_a = _dot(b_k, _t(b_q, DOT_BF16), tl.full([BLOCK_T, BLOCK_T], 0.0, tl.float32),
-                       DOT_BF16, DOT_PRECISION) * w                        # [T, D] @ [D, T]
-            b_grad = _dot(b_k, b_g, tl.full([BLOCK_T, BLOCK_E], 0.0, tl.float32),
-                          DOT_BF16, DOT_PRECISION) * tail[:, None]         # [T, D] @ [D, E]
-            b_grad = _dot(b_a, b_do, b_grad, DOT_BF16, DOT_PRECISION)      # [T, T] @ [T, E]
+            b_k = _rows(k_ptr, k_base, t0, o_r, m_r, stride_kt, o_d, m_d)     # [T, D]
+            b_a = _dot(b_k, _t(b_q, DOT_BF16), _zeros(BLOCK_T, BLOCK_T), DOT_BF16, DOT_PRECISION) * w
+            b_grad = _dot(b_k, b_g, _zeros(BLOCK_T, BLOCK_E), DOT_BF16, DOT_PRECISION)
+            b_grad = _dot(b_a, b_do, b_grad * tail[:, None], DOT_BF16, DOT_PRECISION)  # [T, T] @ [T, E]
             p_grad = grad_ptr + g_base + (t0 + o_r).to(tl.int64)[:, None] * g_row + o_e[None, :]
             tl.store(p_grad, b_grad.to(grad_ptr.dtype.element_ty), mask=m_r[:, None] & m_e[None, :])
-        b_qd = b_q * tl.where(m_r, _pow_decay(s, o_r + 1), 0.0)[:, None]
+        b_qd = b_q * head[:, None]
         b_g = _dot(_t(b_qd, DOT_BF16), b_do, b_g * _pow_decay(s, n_valid), DOT_BF16, DOT_PRECISION)
     if FOR_DK:
         if HAS_HIST:
@@ -262,20 +295,93 @@ def _lightning_bwd_dkv_kernel(
                 b_g += tl.load(dkv_ptr + st_base + o_de, mask=m_de, other=0.0)
             p_dh = dhist_ptr + i_bh.to(tl.int64) * head_k * head_v + o_de
             tl.store(p_dh, b_g, mask=m_de)
-        total = -tl.reduce(tl.reduce(part, 1, tl.standard._sum_combine), 0, tl.standard._sum_combine)
-        total += tl.reduce(tl.reduce(part_kv, 1, tl.standard._sum_combine), 0, tl.standard._sum_combine)
-        _store_pair(part_ptr + (i_bh.to(tl.int64) * tl.num_programs(0) + i_t) * 2, total)
+
+
+@triton.jit
+def _prologue(decay_ptr, cu_ptr, i_bh, num_heads, seq_len, num_chunks, width, stride_decay,
+              stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+              stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
+              BLOCK_T: tl.constexpr, VARLEN: tl.constexpr):
+    """(decay rate, _sequence's values, the q / k / v / dO bases) of program row i_bh."""
+    s = tl.minimum(tl.load(decay_ptr + (i_bh % num_heads).to(tl.int64) * stride_decay).to(tl.float32), 1e30)
+    i_b, i_h, t_first, n_tok, n_chunks, g_base, g_row = _sequence(
+        i_bh, num_heads, seq_len, num_chunks, cu_ptr, width, BLOCK_T, VARLEN)
+    return (s, i_b, i_h, t_first, n_tok, n_chunks, g_base, g_row,
+            i_b * stride_qb + i_h * stride_qh + t_first * stride_qt,
+            i_b * stride_kb + i_h * stride_kh + t_first * stride_kt,
+            i_b * stride_vb + i_h * stride_vh + t_first * stride_vt,
+            i_b * stride_ob + i_h * stride_oh + t_first * stride_ot)
 
 
 @jit
-def _lightning_bwd_decay_kernel(part_q_ptr, part_k_ptr, batch, num_heads, num_parts, grad_ed_ptr):
+def _lightning_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, hist_ptr, decay_ptr, dkv_ptr, cu_ptr,
+    num_heads, seq_len, head_k, head_v, block_len, num_chunks, num_states, stride_decay,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
+    stride_hb, stride_hh, stride_hd,
+    dq_ptr, part_ptr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, CHUNKS: tl.constexpr,
+    HAS_HIST: tl.constexpr, HAS_DKV: tl.constexpr, FINAL_ONLY: tl.constexpr,
+    NEED_DECAY: tl.constexpr, DOT_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
+    """Program (D-tile, bh): dq (and with NEED_DECAY the decay's partial)."""
+    i_p = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    s, i_b, i_h, t_first, n_tok, n_chunks, g_base, g_row, q_base, k_base, v_base, do_base = _prologue(
+        decay_ptr, cu_ptr, i_bh, num_heads, seq_len, num_chunks, head_k, stride_decay,
+        stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+        stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot, BLOCK_T, VARLEN)
+    _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, hist_ptr, dkv_ptr, dq_ptr, part_ptr,
+                i_bh.to(tl.int64) * tl.num_programs(0) + i_p, i_b, i_h, i_bh, i_p, t_first, n_tok, n_chunks,
+                g_base, g_row, s, block_len, num_states, head_k, head_v,
+                q_base, k_base, v_base, do_base, stride_qt, stride_kt, stride_vt, stride_ot,
+                stride_hb, stride_hh, stride_hd,
+                BLOCK_T, BLOCK_D, BLOCK_E, CHUNKS, HAS_HIST, HAS_DKV, FINAL_ONLY, NEED_DECAY,
+                DOT_BF16, DOT_PRECISION)
+
+
+@jit
+def _lightning_bwd_dkv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, decay_ptr, dkv_ptr, cu_ptr,
+    num_heads, seq_len, head_k, head_v, block_len, num_chunks, num_states, stride_decay,
+    stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
+    grad_ptr, dhist_ptr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, CHUNKS: tl.constexpr,
+    FOR_DK: tl.constexpr, HAS_DKV: tl.constexpr, FINAL_ONLY: tl.constexpr, HAS_HIST: tl.constexpr,
+    DOT_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """Program (tile, bh): dk of a D-tile and d kv_history (FOR_DK), or dv of an E-tile."""
+    i_p = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    if FOR_DK:
+        width = head_k
+    else:
+        width = head_v
+    s, i_b, i_h, t_first, n_tok, n_chunks, g_base, g_row, q_base, k_base, v_base, do_base = _prologue(
+        decay_ptr, cu_ptr, i_bh, num_heads, seq_len, num_chunks, width, stride_decay,
+        stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+        stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot, BLOCK_T, VARLEN)
+    _dkv_program(q_ptr, k_ptr, v_ptr, do_ptr, dkv_ptr, grad_ptr, dhist_ptr,
+                 i_bh, i_p, t_first, n_tok, n_chunks, g_base, g_row, s,
+                 block_len, num_states, head_k, head_v,
+                 q_base, k_base, v_base, do_base, stride_qt, stride_kt, stride_vt, stride_ot,
+                 BLOCK_T, BLOCK_D, BLOCK_E, CHUNKS, FOR_DK, HAS_DKV, FINAL_ONLY, HAS_HIST,
+                 DOT_BF16, DOT_PRECISION)
+
+
+@jit
+def _lightning_bwd_decay_kernel(part_ptr, batch, num_heads, num_parts, grad_ed_ptr):
     """d ed[h] = -dL/da: the partial sums of every (b, D-tile) of head h (the dQ
-    programs' and the dK programs'), in order."""
+    programs'), in order."""
     i_h = tl.program_id(0)
     total = 0.0
     total = total.to(tl.float64)
     for b in range(batch):
         row = (b * num_heads + i_h).to(tl.int64) * num_parts * 2
         for p in range(2 * num_parts):
-            total += tl.load(part_q_ptr + row + p).to(tl.float64) + tl.load(part_k_ptr + row + p).to(tl.float64)
+            total += tl.load(part_ptr + row + p).to(tl.float64)
     tl.store(grad_ed_ptr + i_h, (-total).to(tl.float32))
+

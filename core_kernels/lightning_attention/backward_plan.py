@@ -9,8 +9,7 @@ import dataclasses
 from .._plan import (ArrayInfo, Buffer, Launch, Plan, Scalar, cdiv, check_config, check_dtype,
                      check_shape, config_class, memoize, next_pow2, row_major_strides)
 from .._target import Target
-from .backward_kernels import (_lightning_bwd_decay_kernel, _lightning_bwd_dkv_kernel,
-                               _lightning_bwd_dq_kernel)
+from .backward_kernels import _lightning_bwd_decay_kernel, _lightning_bwd_dkv_kernel, _lightning_bwd_dq_kernel
 from .plan import (DEFAULT_DOT_PRECISION, DOT_PRECISIONS, _chunking, _validate_prefill,
                    prefill_state_shape)
 
@@ -24,7 +23,8 @@ class LightningBackwardConfig:
     block_t: int = 64
     block_d: int = 64
     block_e: int = 64
-    num_warps: int = 4
+    num_warps: int = 8
+    num_stages: int = 1
     dot_precision: str = DEFAULT_DOT_PRECISION
 
     def __post_init__(self):
@@ -34,6 +34,19 @@ class LightningBackwardConfig:
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"config: {name} must be a power of two >= 16, got {value}")
+
+
+def _default_config(dtype: str, d: int, e: int) -> LightningBackwardConfig:
+    """NOTE: H200, 2026-11-24, the backward launches alone (D = E = 128, final
+    state, B1 H64 N4096 / B4 H64 N1024; benchmarks/bench_lightning_backward.py
+    --sweep over block_t 32/64, tiles 32/64, 4/8 warps, 1/2 stages): bf16 best
+    with block_t 64, tile 64, 8 warps (1518 / 1362 us; 4 warps: 5063 / 4212 us,
+    register spills), fp32 with block_t 32, tile 64, 8 warps (2171 / 2044 us;
+    block_t 64: 2364 / 2212 us). Below 64-wide tiles 4 warps: with 8, bf16 dv
+    at D 20, E 12 (16-wide tiles) came out NaN on the H200 (2026-11-24), while
+    4 warps there were right."""
+    warps = 8 if min(next_pow2(d), next_pow2(e)) >= 64 else 4
+    return LightningBackwardConfig(block_t=64 if dtype == "bfloat16" else 32, num_warps=warps)
 
 
 BACKWARD_RESULTS = ("grad_q", "grad_k", "grad_v", "grad_kv_history", "grad_ed")
@@ -50,18 +63,17 @@ def plan_lightning_attention_backward(
 
     q, k, v, ed, kv_history, block_size, output_final_state_only: the
     forward's (same validation). ``kv``: the forward's returned states
-    (contiguous float32, [B, H, NB + 1, D, E] or [B, H, D, E]), read for the
-    decay's gradient; ``grad_output`` [B, H, N, E] in q's dtype, innermost dim
+    (contiguous float32, [B, H, NB + 1, D, E] or [B, H, D, E]; checked, not
+    read); ``grad_output`` [B, H, N, E] in q's dtype, innermost dim
     contiguous; ``grad_kv``: kv's gradient (contiguous float32, kv's shape) or
     None (zero). Results: "grad_q", "grad_k" [B, H, N, D], "grad_v"
     [B, H, N, E] in q's dtype; "grad_kv_history" [B, H, D, E] float32 (zeros
     when kv_history is None); "grad_ed" [H] float32 (zeros unless
-    ``need_grad_ed``; then dq and dk use exact fp32 products, see
-    backward_kernels.py). Deterministic (no atomics).
+    ``need_grad_ed``). Deterministic (no atomics).
     """
     check_config(config, (LightningBackwardConfig,))
-    c = config or LightningBackwardConfig()
     p = _validate_prefill(q, k, v, ed, kv_history, block_size, output_final_state_only)
+    c = config or _default_config(p.dtype, p.d, p.e)
     kv_shape = prefill_state_shape(p.b, p.h, p.n, p.d, p.e, p.block_size, p.final_only)
     _check_gradients(grad_output, (p.b, p.h, p.n, p.e), "[B, H, N, E]", p.dtype, kv, grad_kv, kv_shape,
                      "the forward's returned states")
@@ -77,10 +89,10 @@ def plan_lightning_attention_backward(
     # chunks laid out per returned state block, as the forward's (kernels.py)
     block_len, chunks, _, num_chunks = _chunking(p, c.block_t)
     strides = {n: info.strides[:3] for n, info in (("q", p.q), ("k", p.k), ("v", p.v), ("o", grad_output))}
-    launches = _launches(target, c, buffers, _Dims(p.b, p.h, p.d, p.e, p.dtype, p.ed.strides[0]), strides,
-                         dict(seq_len=Scalar(p.n), block_len=Scalar(block_len), num_chunks=Scalar(num_chunks)),
-                         chunks, p.kv_history, kv_shape, grad_kv is not None, p.final_only, need_grad_ed,
-                         varlen=False)
+    dims = _Dims(p.b, p.h, p.d, p.e, p.dtype, p.ed.strides[0])
+    walk = dict(seq_len=Scalar(p.n), block_len=Scalar(block_len), num_chunks=Scalar(num_chunks))
+    launches = _launches(target, c, buffers, dims, strides, walk, chunks, p.kv_history, kv_shape,
+                         grad_kv is not None, p.final_only, need_grad_ed, varlen=False)
     return Plan(buffers, launches, BACKWARD_RESULTS)
 
 
@@ -116,64 +128,52 @@ def _launches(target, c, buffers, p: _Dims, strides: dict, walk: dict, chunks: i
     """The launches of both backward plans (adds their scratch to ``buffers``).
     strides: name -> (batch, head, token) strides of q, k, v and the output
     gradient "o"; walk: seq_len / block_len / num_chunks Scalars."""
-    block_d, block_e = min(c.block_d, max(16, next_pow2(p.d))), min(c.block_e, max(16, next_pow2(p.e)))
+    tile_d, tile_e = min(c.block_d, max(16, next_pow2(p.d))), min(c.block_e, max(16, next_pow2(p.e)))
     full_d, full_e = max(16, next_pow2(p.d)), max(16, next_pow2(p.e))
-    n_dt, n_et = cdiv(p.d, block_d), cdiv(p.e, block_e)
-    # NOTE: each launch writes buffers of its own (the JAX executor takes a
-    # launch's outputs as written in full by it): the decay partials of the dQ
-    # and dK programs, and scratch that launches name but never write (the dV
-    # launch's d kv_history and partials; d kv_history without a kv_history)
-    buffers["decay_parts_q"] = Buffer((p.b * p.h, n_dt, 2), "float32")
-    buffers["decay_parts_k"] = Buffer((p.b * p.h, n_dt, 2), "float32")
+    n_dt, n_et = cdiv(p.d, tile_d), cdiv(p.e, tile_e)
+    # NOTE: a launch writes buffers of its own in full (the JAX executor takes a
+    # launch's outputs as written by it): scratch stands in for d kv_history
+    # without a kv_history, for the dV launch's, and for the decay partials
+    # without d ed
+    buffers["decay_parts"] = Buffer((p.b * p.h, n_dt, 2), "float32")
+    buffers["unused_grad_hist"] = Buffer((1,), "float32")
     buffers["unused_by_dv"] = Buffer((1,), "float32")
-    buffers["unused_by_dv_parts"] = Buffer((1,), "float32")
     # NOTE: bf16 inputs multiply in bf16 on the GPU (as the forward). Under the
     # interpreter the products are fp32: its bf16 products in these kernels came
     # out as garbage (1e10 for values of 0.3, 2026-11-24; the cause is not found),
     # while the forward's bf16 products there are right.
     dot_bf16 = p.dtype == "bfloat16" and target.backend != "interpreter"
-    common = dict(num_heads=Scalar(p.h), head_k=Scalar(p.d), head_v=Scalar(p.e), **walk,
-                  stride_decay=Scalar(p.decay_stride),
-                  **{f"stride_{n}{axis}": Scalar(int(x)) for n, st in strides.items()
-                     for axis, x in zip("bht", st)})
-    consts = dict(BLOCK_T=c.block_t, CHUNKS=chunks, DOT_BF16=dot_bf16, DOT_PRECISION=c.dot_precision)
-    # the decay's gradient needs exact dq and dk (backward_kernels.py): dV keeps the fast products
-    exact = dict(consts, DOT_BF16=False, DOT_PRECISION="ieee") if need_grad_ed else consts
     hist = kv_history.strides[:3] if kv_history is not None else (0, 0, 0)
-    launches = [
-        Launch(kernel=_lightning_bwd_dq_kernel, grid=(n_dt, p.b * p.h),
-               params=dict(q_ptr="q", k_ptr="k", v_ptr="v", do_ptr="grad_output",
-                           hist_ptr="kv_history" if kv_history is not None else "q", decay_ptr="ed",
-                           cu_ptr="cu_seqlens" if varlen else "q",
-                           **common, stride_hb=Scalar(hist[0]), stride_hh=Scalar(hist[1]),
-                           stride_hd=Scalar(hist[2]), dq_ptr="grad_q", part_ptr="decay_parts_q"),
-               writes=("dq_ptr", "part_ptr"),
-               constexprs=dict(exact, BLOCK_D=block_d, BLOCK_E=full_e, HAS_HIST=kv_history is not None,
-                               VARLEN=varlen),
-               num_warps=c.num_warps, num_stages=1)]
-    num_states = 1 if final_only else kv_shape[2]
+    common = dict(
+        q_ptr="q", k_ptr="k", v_ptr="v", do_ptr="grad_output", decay_ptr="ed",
+        dkv_ptr="grad_kv" if has_dkv else "q", cu_ptr="cu_seqlens" if varlen else "q",
+        num_heads=Scalar(p.h), head_k=Scalar(p.d), head_v=Scalar(p.e), **walk,
+        num_states=Scalar(1 if final_only else kv_shape[2]), stride_decay=Scalar(p.decay_stride),
+        **{f"stride_{n}{axis}": Scalar(int(x)) for n, st in strides.items() for axis, x in zip("bht", st)})
+    consts = dict(BLOCK_T=c.block_t, CHUNKS=chunks, HAS_HIST=kv_history is not None, HAS_DKV=has_dkv,
+                  FINAL_ONLY=final_only, DOT_BF16=dot_bf16, DOT_PRECISION=c.dot_precision, VARLEN=varlen)
+    launches = [Launch(
+        kernel=_lightning_bwd_dq_kernel, grid=(n_dt, p.b * p.h),
+        params=dict(common, hist_ptr="kv_history" if kv_history is not None else "q",
+                    stride_hb=Scalar(hist[0]), stride_hh=Scalar(hist[1]), stride_hd=Scalar(hist[2]),
+                    dq_ptr="grad_q", part_ptr="decay_parts"),
+        writes=("dq_ptr", "part_ptr"),
+        constexprs=dict(consts, BLOCK_D=tile_d, BLOCK_E=full_e, NEED_DECAY=need_grad_ed),
+        num_warps=c.num_warps, num_stages=c.num_stages)]
     for for_dk in (True, False):
         launches.append(Launch(
             kernel=_lightning_bwd_dkv_kernel, grid=(n_dt if for_dk else n_et, p.b * p.h),
-            params=dict(q_ptr="q", k_ptr="k", v_ptr="v", do_ptr="grad_output", decay_ptr="ed",
-                        kv_ptr="kv", dkv_ptr="grad_kv" if has_dkv else "kv",
-                        cu_ptr="cu_seqlens" if varlen else "q",
-                        **common, num_states=Scalar(num_states),
-                        grad_ptr="grad_k" if for_dk else "grad_v",
-                        dhist_ptr=("grad_kv_history" if for_dk and kv_history is not None
-                                   else "unused_by_dv"),
-                        part_ptr="decay_parts_k" if for_dk else "unused_by_dv_parts"),
-            writes=("grad_ptr", "dhist_ptr", "part_ptr"),
-            constexprs=dict(exact if for_dk else consts, BLOCK_D=block_d if for_dk else full_d,
-                            BLOCK_E=full_e if for_dk else block_e, FOR_DK=for_dk,
-                            HAS_DKV=has_dkv, FINAL_ONLY=final_only,
-                            HAS_HIST=kv_history is not None, VARLEN=varlen),
-            num_warps=c.num_warps, num_stages=1))
+            params=dict(common, grad_ptr="grad_k" if for_dk else "grad_v",
+                        dhist_ptr="grad_kv_history" if for_dk and kv_history is not None else
+                        "unused_grad_hist" if for_dk else "unused_by_dv"),
+            writes=("grad_ptr", "dhist_ptr"),
+            constexprs=dict(consts, BLOCK_D=tile_d if for_dk else full_d, BLOCK_E=full_e if for_dk else tile_e,
+                            FOR_DK=for_dk),
+            num_warps=c.num_warps, num_stages=c.num_stages))
     if need_grad_ed:
         launches.append(Launch(kernel=_lightning_bwd_decay_kernel, grid=(p.h,),
-                               params=dict(part_q_ptr="decay_parts_q", part_k_ptr="decay_parts_k",
-                                           batch=Scalar(p.b), num_heads=Scalar(p.h), num_parts=Scalar(n_dt),
-                                           grad_ed_ptr="grad_ed"),
+                               params=dict(part_ptr="decay_parts", batch=Scalar(p.b), num_heads=Scalar(p.h),
+                                           num_parts=Scalar(n_dt), grad_ed_ptr="grad_ed"),
                                writes=("grad_ed_ptr",), constexprs={}, num_warps=1, num_stages=1))
     return tuple(launches)
 
@@ -199,8 +199,8 @@ def plan_lightning_attention_varlen_backward(
     (sequence, head, tile); deterministic."""
     from .varlen_plan import _validate as _validate_varlen
     check_config(config, (LightningBackwardConfig,))
-    c = config or LightningBackwardConfig()
     p = _validate_varlen(q, k, v, ed, cu_seqlens, None, None, 256)
+    c = config or _default_config(p.dtype, p.d, p.e)
     states = (p.b, p.h, p.d, p.e)
     _check_gradients(grad_output, (p.t, p.h, p.e), "[T, H, E]", p.dtype, kv, grad_kv, states,
                      "[B, H, D, E], the forward's final states")

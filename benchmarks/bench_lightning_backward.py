@@ -54,6 +54,7 @@ def run():
                                                                      ed.detach(), 256, None, True))
             line = (f"{str(dtype)[6:]:9s} B{b} H{h} N{n} D{d}: ours fwd {t_fwd * 1e6:7.0f} us, "
                     f"fwd+bwd {t_ours * 1e6:7.0f} us, deterministic {det}")
+            print(line, flush=True)  # before fla's first call (its autotuning takes minutes)
             if chunk_simple_gla is not None:
                 qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
                 dot = do.transpose(1, 2).contiguous()

@@ -4,6 +4,11 @@ Each ``benchmarks/bench_<op>.py`` exposes ``run() -> list[dict]`` (one row per
 case, plain numbers and strings) and ``COLUMNS`` (the columns to print).
 Results go to DIR/bench_<op>.json and a PNG plot per op (where the module
 provides ``plot(rows, path)``).
+
+After all ops ran, DIR/summary.json gets one uniform row per case of every op
+(op, case, dtype, time_us, metric, value, baseline, baseline_us, ratio; see
+benchmarks/summary.py). Rows of ops not run this time (or that failed) are kept
+from an existing summary.json, so running one op does not drop the others.
 """
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ import os
 import pkgutil
 import sys
 import traceback
+
+from benchmarks.summary import write_summary
 
 
 def available_ops():
@@ -43,6 +50,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     ops = args.ops or available_ops()
     failed = False
+    per_op = {}  # rows of each op that ran, for summary.json
     for op in ops:
         print(f"\n=== {op}", flush=True)
         try:
@@ -54,12 +62,19 @@ def main(argv=None):
             continue
         with open(os.path.join(args.out, f"bench_{op}.json"), "w") as f:
             json.dump(rows, f, indent=1)
+        per_op[op] = rows
         if hasattr(mod, "plot"):
             try:
                 mod.plot(rows, os.path.join(args.out, f"bench_{op}.png"))
             except Exception:
                 traceback.print_exc()
-        print_table(rows, mod.COLUMNS)
+        if rows and hasattr(mod, "COLUMNS"):  # the backward benches print and return None
+            print_table(rows, mod.COLUMNS)
+    try:
+        write_summary(args.out, per_op)
+    except Exception:  # the per-op JSON files are written already
+        traceback.print_exc()
+        failed = True
     return 1 if failed else 0
 
 

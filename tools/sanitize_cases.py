@@ -80,6 +80,14 @@ class TorchSide:
         if self.gpu:
             self.torch.cuda.synchronize()
 
+    def grads(self, call, arrays, wrt):
+        """Gradients of sum(out^2) over ``call(*arrays)``'s float outputs with
+        respect to ``arrays[i]`` for i in ``wrt`` (torch autograd)."""
+        arrays = [a.detach().requires_grad_(True) if i in wrt else a for i, a in enumerate(arrays)]
+        outs = call(*arrays)
+        loss = sum(o.float().square().sum() for o in outs if o is not None and o.is_floating_point())
+        return self.torch.autograd.grad(loss, [arrays[i] for i in wrt])
+
 
 class JaxSide:
     name = "jax"
@@ -110,6 +118,15 @@ class JaxSide:
 
     def sync(self):
         pass  # np() blocks on the results
+
+    def grads(self, call, arrays, wrt):
+        """As TorchSide.grads, through jax.grad (the custom VJPs)."""
+        jnp = self.jnp
+
+        def loss(*a):
+            return sum(jnp.square(o.astype(jnp.float32)).sum() for o in call(*a)
+                       if o is not None and jnp.issubdtype(o.dtype, jnp.floating))
+        return self.jax.grad(loss, argnums=tuple(wrt))(*arrays)
 
 
 # ------------------------------------------------------------------ checks
@@ -349,6 +366,76 @@ def blocksparse(side, g, *, mode, homo=False, hq=6, hkv=2, d=40, bs=16, dtype="f
     finite(side, "output", out)
 
 
+# ------------------------------------------------------------------ backward passes
+def merge_backward(side, g, *, dtype="float32", n=37, h=5, d=72):
+    po, so = g.standard_normal((2, n, h, d)).astype(np.float32)
+    pl, sl = (g.standard_normal((2, h, n)) * 3).astype(np.float32)
+    pl[:, ::7] = -np.inf  # empty prefix parts
+
+    def call(po, pl, so, sl):
+        if side.name == "torch":
+            out, out_lse = side.empty((n, h, d), dtype), side.empty((h, n), "float32")
+            side.ops.merge_attn_states(out, po, pl, so, sl, output_lse=out_lse)
+            return out, out_lse
+        return side.ops.merge_attn_states(po, pl, so, sl)
+    for name, x in zip(("d prefix_output", "d prefix_lse", "d suffix_output", "d suffix_lse"),
+                       side.grads(call, [side.arr(po, dtype), side.arr(pl), side.arr(so, dtype), side.arr(sl)],
+                                  (0, 1, 2, 3))):
+        finite(side, name, x)
+
+
+def lightning_backward(side, g, *, b=2, h=3, n=45, d=40, e=24, dtype="float32", block_size=16,
+                       final_only=False, history=True, ed_grad=True):
+    q, k = (g.standard_normal((2, b, h, n, d)) * 0.3).astype(np.float32)
+    v = g.standard_normal((b, h, n, e)).astype(np.float32)
+    ed = g.uniform(0.0, 0.5, h).astype(np.float32)
+    arrays = [side.arr(q, dtype), side.arr(k, dtype), side.arr(v, dtype), side.arr(ed)]
+    if history:
+        arrays.append(side.arr(g.standard_normal((b, h, d, e)).astype(np.float32)))
+
+    def call(q, k, v, ed, *hist):
+        return side.ops.lightning_attention(q, k, v, ed, block_size, hist[0] if hist else None, final_only)
+    wrt = (0, 1, 2) + ((3,) if ed_grad else ()) + ((4,) if history else ())
+    for i, x in zip(wrt, side.grads(call, arrays, wrt)):
+        finite(side, f"gradient {i}", x)
+
+
+def varlen_backward(side, g, *, lens=(0, 37, 5, 0, 20), h=3, d=40, e=24, dtype="float32"):
+    t = int(sum(lens))
+    q, k = (g.standard_normal((2, t, h, d)) * 0.3).astype(np.float32)
+    v = g.standard_normal((t, h, e)).astype(np.float32)
+    ed = g.uniform(0.0, 0.5, h).astype(np.float32)
+    cu = side.arr(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+
+    def call(q, k, v, ed):
+        return side.ops.lightning_attention_varlen(q, k, v, ed, cu, block_size=16)
+    for i, x in zip(range(4), side.grads(call, [side.arr(q, dtype), side.arr(k, dtype), side.arr(v, dtype),
+                                                side.arr(ed)], (0, 1, 2, 3))):
+        finite(side, f"gradient {i}", x)
+
+
+def blocksparse_backward(side, g, *, homo=False, hq=6, hkv=2, d=40, bs=16, dtype="float32",
+                         q_block_size=None, lens=(37, 0, 21, 50)):
+    max_seqlen = 64
+    (crow, col), _ = build_sparse_layout(hq, max_seqlen, bs, 2, 3, homo)
+    if homo:
+        crow, col = crow[0], col[0]
+    lens = np.array(lens)
+    tk = int(lens.sum())
+    q = g.standard_normal((tk, hq, d)).astype(np.float32)
+    k, v = g.standard_normal((2, tk, hkv, d)).astype(np.float32)
+    cu = side.arr(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    layout = (side.arr(np.ascontiguousarray(crow)), side.arr(np.ascontiguousarray(col)))
+
+    def call(q, k, v):
+        return (side.ops.blocksparse_flash_attn_varlen_fwd(
+            q, k, v, cu, None, None, layout, block_size=bs, q_block_size=q_block_size,
+            max_seqlen=max_seqlen),)
+    for name, x in zip(("dq", "dk", "dv"), side.grads(call, [side.arr(q, dtype), side.arr(k, dtype),
+                                                               side.arr(v, dtype)], (0, 1, 2))):
+        finite(side, name, x)
+
+
 # ------------------------------------------------------------------ the case list
 def gpu_only(fn):
     def run(side, g):
@@ -485,6 +572,23 @@ def cases():
     C["blocksparse/bf16_group_decode"] = gpu_only(lambda s, g: blocksparse(
         s, g, mode="decode", dtype="bfloat16", d=96, hq=8, hkv=2,
         config=BlocksparseGroupDecodeConfig(3, 2)))
+    # backward passes (torch autograd / jax.grad)
+    C["backward/merge"] = lambda s, g: merge_backward(s, g)
+    C["backward/merge_fp16"] = lambda s, g: merge_backward(s, g, dtype="float16", d=5, h=3)
+    C["backward/lightning_states_hist"] = lambda s, g: lightning_backward(s, g)
+    C["backward/lightning_final_ed_constant"] = lambda s, g: lightning_backward(
+        s, g, final_only=True, history=False, ed_grad=False)
+    C["backward/lightning_fp16"] = lambda s, g: lightning_backward(s, g, dtype="float16")
+    C["backward/lightning_bf16_d128"] = gpu_only(lambda s, g: lightning_backward(
+        s, g, dtype="bfloat16", b=1, h=2, n=200, d=128, e=128, block_size=64))
+    C["backward/lightning_bf16_odd"] = gpu_only(lambda s, g: lightning_backward(s, g, dtype="bfloat16",
+                                                                               ed_grad=False))
+    C["backward/lightning_varlen"] = lambda s, g: varlen_backward(s, g)
+    C["backward/blocksparse_per_head"] = lambda s, g: blocksparse_backward(s, g)
+    C["backward/blocksparse_homo_qblock32"] = lambda s, g: blocksparse_backward(s, g, homo=True,
+                                                                                q_block_size=32)
+    C["backward/blocksparse_bf16"] = gpu_only(lambda s, g: blocksparse_backward(
+        s, g, dtype="bfloat16", d=128, hq=8, hkv=2))
     return C
 
 

@@ -179,13 +179,25 @@ LIGHTNING_VARLEN = OpAxes(
     unbatchable=("cu_seqlens", "slot_idx"),
 )
 
+LIGHTNING_VARLEN_HISTORY = OpAxes(  # torch's differentiable form of the cache (sequence b from kv_history[b])
+    "lightning_attention_varlen_history",
+    inputs={"q": (None, "heads", None), "k": (None, "heads", None), "v": (None, "heads", None),
+            "ed": ("heads",), "cu_seqlens": (None,), "kv_history": (None, "heads", None, None)},
+    outputs={"output": (None, "heads", None), "kv": (None, "heads", None, None)},
+    independent=("heads",),
+    fold=("heads",),
+    unbatchable=("cu_seqlens",),
+)
+
 LIGHTNING_VARLEN_BACKWARD = OpAxes(
     "lightning_attention_varlen_backward",
     inputs={"q": (None, "heads", None), "k": (None, "heads", None), "v": (None, "heads", None),
             "ed": ("heads",), "cu_seqlens": (None,), "kv": (None, "heads", None, None),
-            "grad_output": (None, "heads", None), "grad_kv": (None, "heads", None, None)},
+            "grad_output": (None, "heads", None), "grad_kv": (None, "heads", None, None),
+            "kv_history": (None, "heads", None, None)},
     outputs={"grad_q": (None, "heads", None), "grad_k": (None, "heads", None),
-             "grad_v": (None, "heads", None), "grad_ed": ("heads",)},
+             "grad_v": (None, "heads", None), "grad_ed": ("heads",),
+             "grad_kv_history": (None, "heads", None, None)},
     independent=("heads",),
     fold=("heads",),
     unbatchable=("cu_seqlens",),
@@ -245,6 +257,7 @@ CONTEXT_ATTENTION_FWD = OpAxes(
 
 OPS = {o.name: o for o in (MERGE_ATTN_STATES, MERGE_ATTN_STATES_BACKWARD, MASK_EMPTY_CONTEXT_LSE, LIGHTNING_ATTENTION,
                            LIGHTNING_ATTENTION_BACKWARD,
-                           LINEAR_DECODE, LIGHTNING_VARLEN, LIGHTNING_VARLEN_BACKWARD, BLOCKSPARSE_VARLEN,
+                           LINEAR_DECODE, LIGHTNING_VARLEN, LIGHTNING_VARLEN_HISTORY, LIGHTNING_VARLEN_BACKWARD,
+                           BLOCKSPARSE_VARLEN,
                            BLOCKSPARSE_VARLEN_LSE, BLOCKSPARSE_VARLEN_BACKWARD,
                            CONTEXT_ATTENTION_FWD)}

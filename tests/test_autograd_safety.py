@@ -101,7 +101,7 @@ def _varlen_backward():
     cu = d["cu_seqlens"]
     return dict(q=d["q"], k=d["k"], v=d["v"], ed=d["ed"], cu_seqlens=cu,
                 kv=_f32(cu.shape[0] - 1, 2, 16, 16, seed=5), grad_output=_f32(7, 2, 16, seed=6), grad_kv=None,
-                need_grad_ed=True)
+                kv_history=None, need_grad_ed=True)
 
 
 def _decode():
@@ -138,6 +138,10 @@ def _varlen(cache):
     return d
 
 
+def _varlen_history():
+    return dict(_varlen(False), kv_history=_f32(2, 2, 16, 16, seed=4))
+
+
 def _mask():
     return dict(lse=_f32(2, 6), query_start_loc=_i([0, 2, 6]), context_start_loc=_i([0, 0, 4]))
 
@@ -157,6 +161,7 @@ EXAMPLES = {
     "lightning_attention_varlen": (lambda: _varlen(False), "q"),
     "lightning_attention_varlen_backward": (_varlen_backward, "grad_output"),   # no double backward
     "lightning_attention_varlen_cache": (lambda: _varlen(True), "v"),
+    "lightning_attention_varlen_history": (_varlen_history, "kv_history"),
     "mask_empty_context_lse": (_mask, None),   # its only float input is written in place
 }
 ALL = sorted(OPS)

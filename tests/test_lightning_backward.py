@@ -259,10 +259,81 @@ def test_varlen_matches_reference_and_jax_bitwise():
         assert_bitwise_equal(a, np.asarray(b), f"varlen {name}: torch vs jax")
 
 
-def test_varlen_with_cache_has_no_backward():
-    c = _varlen_case([3, 4], 2, 8, 8, "float32", seed=8)
-    q = to_torch(c["q"]).requires_grad_(True)
-    cache = torch.zeros((2, 2, 8, 8))
-    with pytest.raises(RuntimeError, match="lightning_attention_varlen_cache"):
-        at.lightning_attention_varlen(q, to_torch(c["k"]), to_torch(c["v"]), to_torch(c["ed"]), to_torch(c["cu"]),
-                                      kv_cache=cache, slot_idx=torch.tensor([0, 1]))
+def _cache_case(lens, slots, h, d, e, dtype, seed, num_slots=6):
+    c = _varlen_case(lens, h, d, e, dtype, seed)
+    g = np.random.default_rng(seed + 100)
+    c["slot"] = np.array(slots, np.int32)
+    c["cache"] = g.standard_normal((num_slots, h, d, e)).astype(np.float32)
+    c["grad_cache"] = g.standard_normal((num_slots, h, d, e)).astype(np.float32)
+    return c
+
+
+def _cache_reference(c):
+    """Per sequence, the dense reference from its slot's state (zero for -1) with
+    its slot's output gradient as the final state's (zero for -1); the input
+    cache's gradient: the output's, except named slots, which get their
+    sequence's d kv_history."""
+    dq, dk, dv = (np.zeros(c[n].shape) for n in ("q", "k", "v"))
+    ded = np.zeros(c["ed"].shape)
+    dcache = c["grad_cache"].astype(np.float64)
+    dcache[c["slot"][c["slot"] >= 0]] = 0.0
+    for b, (s0, s1) in enumerate(zip(c["cu"][:-1], c["cu"][1:])):
+        slot = c["slot"][b]
+        hist = c["cache"][slot][None] if slot >= 0 else np.zeros((1, *c["cache"].shape[1:]))
+        gfin = c["grad_cache"][slot][None] if slot >= 0 else np.zeros_like(hist)
+        if s1 == s0:  # no tokens: the final state is the starting one
+            if slot >= 0:
+                dcache[slot] += gfin[0]
+            continue
+        seq = [c[n][s0:s1].astype(np.float64).transpose(1, 0, 2)[None] for n in ("q", "k", "v", "grad_output")]
+        r = lightning_attention_backward_reference(*seq[:3], c["ed"], seq[3], gfin, kv_history=hist,
+                                                   output_final_state_only=True)
+        for out, x in zip((dq, dk, dv), r[:3]):
+            out[s0:s1] = x[0].transpose(1, 0, 2)
+        ded += r[4]
+        if slot >= 0:
+            dcache[slot] += r[3][0]
+    return dq, dk, dv, dcache, ded
+
+
+def test_varlen_cache_matches_reference_and_jax_bitwise():
+    """The slot-cache form under autograd: sequences start from their slots'
+    states, named slots take the final states; slot -1, an empty sequence with a
+    named slot, one token, two chunks (70 > 64); torch (the cache a non-leaf
+    copy of a leaf) and jax.grad (the cache an argument) agree bitwise."""
+    import jax
+    import jax.numpy as jnp
+    import adapters.jax as aj
+    lens, slots = ([9, 0, 1, 70, 5], [3, 0, -1, 5, 1]) if not GPU else ([1000, 0, 1, 4097, 300], [3, 0, -1, 5, 1])
+    c = _cache_case(lens, slots, 2, 12, 20, "float32", seed=9)
+    t = {n: to_torch(c[n]).requires_grad_(True) for n in ("q", "k", "v", "ed", "cache")}
+    cache = t["cache"].clone()
+    o, out_cache = at.lightning_attention_varlen(t["q"], t["k"], t["v"], t["ed"], to_torch(c["cu"]),
+                                                 kv_cache=cache, slot_idx=to_torch(c["slot"]))
+    assert out_cache is cache
+    ((o * to_torch(c["grad_output"])).sum() + (out_cache * to_torch(c["grad_cache"])).sum()).backward()
+    got = [torch_to_numpy(t[n].grad) for n in ("q", "k", "v", "cache", "ed")]
+    check(got, _cache_reference(c), "float32", "torch varlen cache")
+    go, gc = jnp.asarray(c["grad_output"]), jnp.asarray(c["grad_cache"])
+
+    def loss(q, k, v, ed, kv_cache):
+        o, new = aj.lightning_attention_varlen(q, k, v, ed, jnp.asarray(c["cu"]), kv_cache=kv_cache,
+                                               slot_idx=jnp.asarray(c["slot"]))
+        return (o * go).sum() + (new * gc).sum()
+    j = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*(jnp.asarray(c[n]) for n in ("q", "k", "v", "ed",
+                                                                                        "cache")))
+    for name, a, b in zip(("dq", "dk", "dv", "d ed", "d kv_cache"), [got[0], got[1], got[2], got[4], got[3]], j):
+        assert_bitwise_equal(a, np.asarray(b), f"varlen cache {name}: torch vs jax")
+
+
+def test_varlen_cache_without_grad_is_the_cache_kernel():
+    """No input requiring grad: the in-place cache op as before (the slot not
+    named stays bit for bit; the forward is unchanged by the backward route)."""
+    c = _cache_case([5, 3], [2, -1], 2, 8, 8, "float32", seed=8, num_slots=3)
+    cache = to_torch(c["cache"])
+    before = cache.clone()
+    o, out_cache = at.lightning_attention_varlen(to_torch(c["q"]), to_torch(c["k"]), to_torch(c["v"]),
+                                                 to_torch(c["ed"]), to_torch(c["cu"]), kv_cache=cache,
+                                                 slot_idx=to_torch(c["slot"]))
+    assert out_cache is cache and o.grad_fn is None
+    assert_bitwise_equal(torch_to_numpy(cache[:2]), torch_to_numpy(before[:2]), "slots not named")

@@ -4,6 +4,8 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 import numpy as np
 
 from core_kernels.lightning_attention import (check_varlen_host_data, plan_lightning_attention_varlen,
@@ -87,54 +89,97 @@ def _varlen(arrays, *, block_size, config):
     return run_plan(plan, arrays, tgt)
 
 
-def lightning_attention_varlen_backward(q, k, v, ed, cu_seqlens, kv, grad_output, grad_kv=None):
-    """Gradients (dq, dk [T, H, D], dv [T, H, E] in q's dtype, d ed [H] float32)
-    of :func:`lightning_attention_varlen` without a cache, from its inputs, its
-    final states ``kv`` [B, H, D, E] and the output gradients (``grad_kv`` may be
-    None). The kernels of the torch adapter's backward (bitwise the same); the
-    decay's gradient is always computed (exact dq / dk products)."""
+def lightning_attention_varlen_backward(q, k, v, ed, cu_seqlens, kv, grad_output, grad_kv=None,
+                                        kv_history=None, *, need_grad_ed=True):
+    """Gradients (dq, dk [T, H, D], dv [T, H, E] in q's dtype, d ed [H] float32
+    (zeros unless ``need_grad_ed``), d kv_history [B, H, D, E] float32 (zeros
+    without it)) of :func:`lightning_attention_varlen`, sequence b starting from
+    ``kv_history[b]`` (None: zero), from its inputs, its final states ``kv``
+    [B, H, D, E] and the output gradients (``grad_kv`` may be None). The
+    kernels of the torch adapter's backward (bitwise the same)."""
     arrays = dict(q=q, k=k, v=v, ed=ed, cu_seqlens=cu_seqlens, kv=kv, grad_output=grad_output)
     if grad_kv is not None:
         arrays["grad_kv"] = grad_kv
-    return _spmd.call(LIGHTNING_VARLEN_BACKWARD, _varlen_backward, arrays)
+    if kv_history is not None:
+        arrays["kv_history"] = kv_history
+    return _spmd.call(LIGHTNING_VARLEN_BACKWARD, _varlen_backward, arrays, need_grad_ed=bool(need_grad_ed))
 
 
-def _varlen_backward(arrays):
+def _varlen_backward(arrays, *, need_grad_ed):
     tgt = target(arrays)
     plan = plan_lightning_attention_varlen_backward(
         tgt, *(info(arrays[n]) for n in ("q", "k", "v", "ed", "cu_seqlens", "kv", "grad_output")),
-        None if "grad_kv" not in arrays else info(arrays["grad_kv"]))
+        *(None if n not in arrays else info(arrays[n]) for n in ("grad_kv", "kv_history")),
+        need_grad_ed=need_grad_ed)
     return run_plan(plan, arrays, tgt)
 
 
+def _cotangents(grads):
+    """A custom VJP's output cotangents with symbolic zeros made None."""
+    return tuple(None if isinstance(g, SymbolicZero) else g for g in grads)
+
+
 def with_vjp(forward, backward):
-    """The public varlen prefill: without a cache, ``forward`` under a
-    ``jax.custom_vjp`` whose backward is ``backward``; with a cache (state read
-    and written through slots) it has no backward. Outside any transformation
-    (no traced array) it is ``forward`` itself."""
+    """The public varlen prefill under a ``jax.custom_vjp`` whose backward is
+    ``backward``: without a cache, over (q, k, v, ed); with one, over
+    (q, k, v, ed, kv_cache) (each sequence's starting state gathered from its
+    slot, the returned cache's gradient scattered back; cu_seqlens and slot_idx
+    are integers). Symbolic zeros tell whether ed is differentiated. Outside
+    any transformation (no traced array) it is ``forward`` itself."""
     @functools.wraps(forward)
     def lightning_attention_varlen(q, k, v, ed, cu_seqlens, *, kv_cache=None, slot_idx=None,
                                    block_size=256, config=None, validate_indices=None):
-        kwargs = dict(kv_cache=kv_cache, slot_idx=slot_idx, block_size=block_size, config=config,
-                      validate_indices=validate_indices)
-        primals = (q, k, v, ed)
-        if kv_cache is not None or not any(isinstance(x, jax.core.Tracer) for x in primals):
-            return forward(q, k, v, ed, cu_seqlens, **kwargs)
+        kwargs = dict(block_size=block_size, config=config, validate_indices=validate_indices)
+        cached = kv_cache is not None
+        if not any(isinstance(x, jax.core.Tracer) for x in (q, k, v, ed, kv_cache)):
+            return forward(q, k, v, ed, cu_seqlens, kv_cache=kv_cache, slot_idx=slot_idx, **kwargs)
+        ed_perturbed = []  # static: travels in this closure (as _ops_lightning.py)
+        # the integer arrays are arguments too (they may be traced); their cotangents are None
+        primals = (q, k, v, ed, cu_seqlens) + ((kv_cache, slot_idx) if cached else ())
+
+        def run(q, k, v, ed, cu, *cache):
+            return forward(q, k, v, ed, cu, kv_cache=cache[0] if cache else None,
+                           slot_idx=cache[1] if cache else None, **kwargs)
 
         @jax.custom_vjp
-        def varlen(q, k, v, ed, cu):
-            return forward(q, k, v, ed, cu, **kwargs)
+        def varlen(*args):
+            return run(*args)
 
-        def varlen_fwd(q, k, v, ed, cu):
-            out = forward(q, k, v, ed, cu, **kwargs)
-            return out, (q, k, v, ed, cu, out[1])
+        def varlen_fwd(*args):
+            ed_perturbed.append(args[3].perturbed)
+            args = tuple(a.value for a in args)
+            out = run(*args)
+            if not cached:
+                return out, (args, out[1], None)
+            slot = jnp.asarray(args[6]).astype(jnp.int32)
+            named = (slot >= 0)[:, None, None, None]
+            gather = jnp.maximum(slot, 0)
+            hist = jnp.where(named, args[5][gather], 0.0)
+            return out, (args, jnp.where(named, out[1][gather], hist), hist)
 
         def varlen_bwd(res, grads):
-            q, k, v, ed, cu, states = res
-            dq, dk, dv, ded = backward(q, k, v, ed, cu, states, grads[0], grads[1])
-            return dq, dk, dv, ded.reshape(ed.shape), None
+            args, final, hist = res
+            q, k, v, ed, cu, *cache = args
+            grad_o, grad_kv = _cotangents(grads)
+            if grad_o is None:
+                grad_o = jnp.zeros(grads[0].shape, grads[0].dtype)
+            need = ed_perturbed[-1] if ed_perturbed else True
+            if not cached:
+                dq, dk, dv, ded, _ = backward(q, k, v, ed, cu, final, grad_o, grad_kv, need_grad_ed=need)
+                return dq, dk, dv, ded.reshape(ed.shape), None
+            kv_cache, slot = cache[0], jnp.asarray(cache[1]).astype(jnp.int32)
+            named = (slot >= 0)[:, None, None, None]
+            rows = jnp.where(slot >= 0, slot, kv_cache.shape[0])  # -1: out of range, dropped
+            grad_final = None if grad_kv is None else jnp.where(named, grad_kv[jnp.maximum(slot, 0)], 0.0)
+            dq, dk, dv, ded, dhist = backward(q, k, v, ed, cu, final, grad_o, grad_final, hist,
+                                              need_grad_ed=need)
+            # a named slot's input reaches the output only through its sequence
+            dcache = (jnp.zeros_like(kv_cache) if grad_kv is None else
+                      grad_kv.at[rows].set(0.0, mode="drop"))
+            dcache = dcache.at[rows].add(dhist.astype(dcache.dtype), mode="drop")
+            return dq, dk, dv, ded.reshape(ed.shape), None, dcache, None
 
-        varlen.defvjp(varlen_fwd, varlen_bwd)
-        return varlen(q, k, v, ed, cu_seqlens)
+        varlen.defvjp(varlen_fwd, varlen_bwd, symbolic_zeros=True)
+        return varlen(*primals)
 
     return lightning_attention_varlen

@@ -504,7 +504,7 @@ RULES = {
     "linear_decode_forward_triton": (("q", "k", "v", "kv_caches", "slope_rate", "slot_idx"),
                                      _decode_rule, None),
     "lightning_attention_varlen_backward": (("q", "k", "v", "ed", "cu_seqlens", "kv", "grad_output",
-                                             "grad_kv"),
+                                             "grad_kv", "kv_history"),
                                             generic_rule("lightning_attention_varlen_backward",
                                                          _axes.LIGHTNING_VARLEN_BACKWARD,
                                                          _decay_prepare("ed")), None),

@@ -52,36 +52,89 @@ def _cache_fake(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config)
 
 def _backward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.Tensor,
                    cu_seqlens: torch.Tensor, kv: torch.Tensor, grad_output: torch.Tensor,
-                   grad_kv: Optional[torch.Tensor], need_grad_ed: bool
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   grad_kv: Optional[torch.Tensor], kv_history: Optional[torch.Tensor], need_grad_ed: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     tensors = dict(q=q, k=k, v=v, ed=ed, cu_seqlens=cu_seqlens, kv=kv, grad_output=grad_output,
-                   grad_kv=grad_kv)
+                   grad_kv=grad_kv, kv_history=kv_history)
     plan, device = planned(plan_lightning_attention_varlen_backward, tensors, need_grad_ed=need_grad_ed)
     env = run_plan(plan, {n: t for n, t in tensors.items() if t is not None}, device=device)
     return tuple(env[r] for r in plan.results)
 
 
-def _backward_fake(q, k, v, ed, cu_seqlens, kv, grad_output, grad_kv, need_grad_ed):
+def _backward_fake(q, k, v, ed, cu_seqlens, kv, grad_output, grad_kv, kv_history, need_grad_ed):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            q.new_empty((q.shape[1],), dtype=torch.float32))
+            q.new_empty((q.shape[1],), dtype=torch.float32), torch.empty_like(kv))
 
 
 _backward_op = custom_op("lightning_attention_varlen_backward", _backward_impl, fake=_backward_fake)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, ed, cu_seqlens, _, _ = inputs
+    q, k, v, ed, cu_seqlens, *_ = inputs
     ctx.save_for_backward(q, k, v, ed, cu_seqlens, output[1])
+
+
+def _gradients(ctx, q, k, v, ed, cu_seqlens, states, kv_history, grad_output, grad_states):
+    # NOTE: the kernels read the gradients with a unit last stride / contiguous
+    grad_output = q.new_zeros((*q.shape[:2], v.shape[-1])) if grad_output is None else grad_output.contiguous()
+    grad_states = None if grad_states is None else grad_states.contiguous()
+    dq, dk, dv, ded, dhist = _backward_op(q, k, v, ed, cu_seqlens, states, grad_output, grad_states,
+                                          kv_history, bool(ctx.needs_input_grad[3]))
+    return dq, dk, dv, ded.reshape(ed.shape) if ctx.needs_input_grad[3] else None, dhist
 
 
 def _backward(ctx, grad_output, grad_states):
     q, k, v, ed, cu_seqlens, states = ctx.saved_tensors
-    # NOTE: the kernels read the gradients with a unit last stride / contiguous
-    grad_output = q.new_zeros((*q.shape[:2], v.shape[-1])) if grad_output is None else grad_output.contiguous()
-    grad_states = None if grad_states is None else grad_states.contiguous()
-    dq, dk, dv, ded = _backward_op(q, k, v, ed, cu_seqlens, states, grad_output, grad_states,
-                                   bool(ctx.needs_input_grad[3]))
-    return dq, dk, dv, ded.reshape(ed.shape) if ctx.needs_input_grad[3] else None, None, None, None
+    dq, dk, dv, ded, _ = _gradients(ctx, q, k, v, ed, cu_seqlens, states, None, grad_output, grad_states)
+    return dq, dk, dv, ded, None, None, None
+
+
+def _history_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.Tensor,
+                  cu_seqlens: torch.Tensor, kv_history: torch.Tensor, block_size: int,
+                  config: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence b from kv_history[b]: the cache kernels over a copy of the
+    history with slot b for sequence b (the copy ends as the final states)."""
+    states = kv_history.to(torch.float32, copy=True)
+    slots = torch.arange(cu_seqlens.shape[0] - 1, dtype=torch.int32, device=cu_seqlens.device)
+    out = _run(q, k, v, ed, cu_seqlens, states, slots, block_size, config)["output"]
+    return out, states
+
+
+def _history_fake(q, k, v, ed, cu_seqlens, kv_history, block_size, config):
+    return _states_fake(q, k, v, ed, cu_seqlens, block_size, config)
+
+
+def _history_setup_context(ctx, inputs, output):
+    q, k, v, ed, cu_seqlens, kv_history, *_ = inputs
+    ctx.save_for_backward(q, k, v, ed, cu_seqlens, kv_history, output[1])
+
+
+def _history_backward(ctx, grad_output, grad_states):
+    q, k, v, ed, cu_seqlens, kv_history, states = ctx.saved_tensors
+    dq, dk, dv, ded, dhist = _gradients(ctx, q, k, v, ed, cu_seqlens, states, kv_history.float().contiguous(),
+                                        grad_output, grad_states)
+    return dq, dk, dv, ded, None, dhist.to(kv_history.dtype), None, None
+
+
+_history_op = custom_op("lightning_attention_varlen_history", _history_impl, fake=_history_fake,
+                        autograd=(_history_backward, _history_setup_context))
+
+
+def _cache_with_grad(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config):
+    """The cache form under autograd: each sequence's starting state gathered
+    from its slot (zero for -1), the history op, and the final states copied
+    back into kv_cache in place (named slots only), all tracked by autograd.
+    NOTE: the copy back goes through a copy of the cache with one spare slot
+    that absorbs the -1 rows: no host sync, at the cost of one cache copy."""
+    slot = slot_idx.long()
+    named = (slot >= 0).to(kv_cache.dtype).view(-1, 1, 1, 1)
+    hist = kv_cache.index_select(0, slot.clamp(min=0)) * named
+    out, final = _history_op(q, k, v, ed, cu_seqlens, hist, block_size, config)
+    spare = torch.cat([kv_cache, kv_cache.new_zeros((1, *kv_cache.shape[1:]))])
+    rows = torch.where(slot >= 0, slot, kv_cache.shape[0])
+    spare = spare.index_put((rows,), final.to(kv_cache.dtype))
+    kv_cache.copy_(spare[:kv_cache.shape[0]])
+    return out, kv_cache
 
 
 _states_op = custom_op("lightning_attention_varlen", _states_impl, fake=_states_fake,
@@ -110,7 +163,10 @@ def lightning_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         kv_cache: optional [num_slots, H, D, E] float32 state cache (innermost dim
             contiguous). Updated in place: sequence b starts from kv_cache[slot_idx[b]]
             and its final state is written there; slots not named are untouched, bit
-            for bit. Needs slot_idx.
+            for bit. Needs slot_idx. With grad mode on and q, k, v, ed or kv_cache
+            requiring grad, the call is differentiable: the starting states are
+            gathered, the history op runs and the final states are copied back in
+            place (one cache copy; kv_cache must not be a leaf requiring grad).
         slot_idx: [B] int32/int64 slot per sequence; -1 starts from zero and writes
             nothing. On the host, ids outside [-1, num_slots) and duplicate non-negative
             ids raise ValueError; on the GPU (no sync) duplicates are undefined and an
@@ -137,5 +193,8 @@ def lightning_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         return _states_op(q, k, v, ed, cu_seqlens, block_size, encode_config(config))
     if kv_cache is None or slot_idx is None:  # the planner's error, before any launch
         _run(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, encode_config(config))
+    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
+                                       for x in (q, k, v, ed, kv_cache)):
+        return _cache_with_grad(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, encode_config(config))
     out = _cache_op(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, encode_config(config))
     return out, kv_cache

@@ -291,8 +291,11 @@ def _dkv_program(q_ptr, k_ptr, v_ptr, do_ptr, dkv_ptr, grad_ptr, dhist_ptr,
         if HAS_HIST:
             # S_{-1} = kv_history: its adjoint is lambda G_0 (the walk's last
             # update includes that factor) plus the gradient of returned state 0
+            # (or of the final state when there are no tokens: it is S_{-1})
             if HAS_DKV and not FINAL_ONLY:
                 b_g += tl.load(dkv_ptr + st_base + o_de, mask=m_de, other=0.0)
+            if HAS_DKV and FINAL_ONLY:
+                b_g += tl.load(dkv_ptr + st_base + o_de, mask=m_de & (n_tok == 0), other=0.0)
             p_dh = dhist_ptr + i_bh.to(tl.int64) * head_k * head_v + o_de
             tl.store(p_dh, b_g, mask=m_de)
 

@@ -178,25 +178,28 @@ def _launches(target, c, buffers, p: _Dims, strides: dict, walk: dict, chunks: i
     return tuple(launches)
 
 
-VARLEN_BACKWARD_RESULTS = ("grad_q", "grad_k", "grad_v", "grad_ed")
+VARLEN_BACKWARD_RESULTS = ("grad_q", "grad_k", "grad_v", "grad_ed", "grad_kv_history")
 
 
 @memoize
 def plan_lightning_attention_varlen_backward(
     target: Target, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, ed: ArrayInfo, cu_seqlens: ArrayInfo,
-    kv: ArrayInfo, grad_output: ArrayInfo, grad_kv: ArrayInfo | None, *, need_grad_ed: bool = True,
-    config: LightningBackwardConfig | None = None,
+    kv: ArrayInfo, grad_output: ArrayInfo, grad_kv: ArrayInfo | None, kv_history: ArrayInfo | None = None,
+    *, need_grad_ed: bool = True, config: LightningBackwardConfig | None = None,
 ) -> Plan:
-    """Plan the backward of ``plan_lightning_attention_varlen`` without a state
-    cache (every sequence starts from zero; its final state is returned).
+    """Plan the backward of ``plan_lightning_attention_varlen``: sequence b
+    starts from ``kv_history[b]`` ([B, H, D, E] float32, innermost dim
+    contiguous; None: from zero) and ends in its final state ``kv[b]`` (a cache
+    adapter gathers both through its slots).
 
-    q, k, v, ed, cu_seqlens: the forward's (same validation); ``kv``: its final
+    q, k, v, ed, cu_seqlens: the forward's (same validation); ``kv``: the final
     states [B, H, D, E] float32 contiguous; ``grad_output`` [T, H, E] in q's
-    dtype, innermost dim contiguous; ``grad_kv``: the states' gradient (kv's
-    shape, contiguous float32) or None. Results: "grad_q", "grad_k" [T, H, D],
-    "grad_v" [T, H, E] in q's dtype, contiguous; "grad_ed" [H] float32 (zeros
-    unless ``need_grad_ed``). The kernels of the dense backward, one program per
-    (sequence, head, tile); deterministic."""
+    dtype, innermost dim contiguous; ``grad_kv``: the final states' gradient
+    (kv's shape, contiguous float32) or None. Results: "grad_q", "grad_k"
+    [T, H, D], "grad_v" [T, H, E] in q's dtype, contiguous; "grad_ed" [H]
+    float32 (zeros unless ``need_grad_ed``); "grad_kv_history" [B, H, D, E]
+    float32 (zeros without kv_history). The kernels of the dense backward, one
+    program per (sequence, head, tile); deterministic."""
     from .varlen_plan import _validate as _validate_varlen
     check_config(config, (LightningBackwardConfig,))
     p = _validate_varlen(q, k, v, ed, cu_seqlens, None, None, 256)
@@ -204,11 +207,18 @@ def plan_lightning_attention_varlen_backward(
     states = (p.b, p.h, p.d, p.e)
     _check_gradients(grad_output, (p.t, p.h, p.e), "[T, H, E]", p.dtype, kv, grad_kv, states,
                      "[B, H, D, E], the forward's final states")
-    empty = p.b == 0 or p.h == 0 or p.t == 0
+    if kv_history is not None:
+        check_shape("kv_history", kv_history, states, "[B, H, D, E]")
+        check_dtype("kv_history", kv_history, ("float32",))
+        if kv_history.strides[-1] != 1:
+            raise ValueError("kv_history: the innermost dimension must be contiguous")
+    # an empty token axis still has work with a history: d kv_history = grad_kv
+    empty = p.b == 0 or p.h == 0 or (p.t == 0 and kv_history is None)
     buffers = {"grad_q": Buffer((p.t, p.h, p.d), p.dtype, zero_init=empty),
                "grad_k": Buffer((p.t, p.h, p.d), p.dtype, zero_init=empty),
                "grad_v": Buffer((p.t, p.h, p.e), p.dtype, zero_init=empty),
-               "grad_ed": Buffer((p.h,), "float32", zero_init=empty or not need_grad_ed)}
+               "grad_ed": Buffer((p.h,), "float32", zero_init=empty or not need_grad_ed),
+               "grad_kv_history": Buffer(states, "float32", zero_init=empty or kv_history is None)}
     if empty:
         return Plan(buffers, (), VARLEN_BACKWARD_RESULTS)
     # [T, H, *]: no batch stride; a program's sequence offset comes from cu_seqlens
@@ -216,5 +226,5 @@ def plan_lightning_attention_varlen_backward(
                for n, info in (("q", p.q), ("k", p.k), ("v", p.v), ("o", grad_output))}
     walk = dict(seq_len=Scalar(0), block_len=Scalar(c.block_t), num_chunks=Scalar(0))
     launches = _launches(target, c, buffers, _Dims(p.b, p.h, p.d, p.e, p.dtype, p.ed.strides[0]), strides,
-                         walk, 1, None, states, grad_kv is not None, True, need_grad_ed, varlen=True)
+                         walk, 1, kv_history, states, grad_kv is not None, True, need_grad_ed, varlen=True)
     return Plan(buffers, launches, VARLEN_BACKWARD_RESULTS)

@@ -400,17 +400,24 @@ def lightning_backward(side, g, *, b=2, h=3, n=45, d=40, e=24, dtype="float32", 
         finite(side, f"gradient {i}", x)
 
 
-def varlen_backward(side, g, *, lens=(0, 37, 5, 0, 20), h=3, d=40, e=24, dtype="float32"):
+def varlen_backward(side, g, *, lens=(0, 37, 5, 0, 20), h=3, d=40, e=24, dtype="float32", cache=False):
     t = int(sum(lens))
     q, k = (g.standard_normal((2, t, h, d)) * 0.3).astype(np.float32)
     v = g.standard_normal((t, h, e)).astype(np.float32)
     ed = g.uniform(0.0, 0.5, h).astype(np.float32)
     cu = side.arr(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    arrays = [side.arr(q, dtype), side.arr(k, dtype), side.arr(v, dtype), side.arr(ed)]
+    if cache:  # slots: an empty sequence with a named slot, -1, untouched slots
+        arrays.append(side.arr(g.standard_normal((8, h, d, e)).astype(np.float32)))
+        slots = side.arr(np.array([2, -1, 5, 0, 7], np.int32)[:len(lens)])
 
-    def call(q, k, v, ed):
-        return side.ops.lightning_attention_varlen(q, k, v, ed, cu, block_size=16)
-    for i, x in zip(range(4), side.grads(call, [side.arr(q, dtype), side.arr(k, dtype), side.arr(v, dtype),
-                                                side.arr(ed)], (0, 1, 2, 3))):
+    def call(q, k, v, ed, *kv_cache):
+        if kv_cache and side.name == "torch":
+            kv_cache = (kv_cache[0].clone(),)  # in place: not on the leaf
+        return side.ops.lightning_attention_varlen(
+            q, k, v, ed, cu, block_size=16, **(dict(kv_cache=kv_cache[0], slot_idx=slots) if kv_cache else {}))
+    wrt = tuple(range(len(arrays)))
+    for i, x in zip(wrt, side.grads(call, arrays, wrt)):
         finite(side, f"gradient {i}", x)
 
 
@@ -584,6 +591,7 @@ def cases():
     C["backward/lightning_bf16_odd"] = gpu_only(lambda s, g: lightning_backward(s, g, dtype="bfloat16",
                                                                                ed_grad=False))
     C["backward/lightning_varlen"] = lambda s, g: varlen_backward(s, g)
+    C["backward/lightning_varlen_cache"] = lambda s, g: varlen_backward(s, g, cache=True)
     C["backward/blocksparse_per_head"] = lambda s, g: blocksparse_backward(s, g)
     C["backward/blocksparse_homo_qblock32"] = lambda s, g: blocksparse_backward(s, g, homo=True,
                                                                                 q_block_size=32)

@@ -337,3 +337,19 @@ def test_varlen_cache_without_grad_is_the_cache_kernel():
                                                  slot_idx=to_torch(c["slot"]))
     assert out_cache is cache and o.grad_fn is None
     assert_bitwise_equal(torch_to_numpy(cache[:2]), torch_to_numpy(before[:2]), "slots not named")
+
+
+def test_narrow_tiles_run_at_most_four_warps():
+    """8 warps with tiles narrower than 64 gave NaN in bf16 dv on the H200: the plan
+    runs 4 there even when the config asks for 8, and keeps 8 for 64-wide tiles."""
+    from core_kernels._plan import ArrayInfo
+    from core_kernels._target import Target
+    from core_kernels.lightning_attention import LightningBackwardConfig, plan_lightning_attention_backward
+    h200 = Target("cuda", 90, 132, gluon=True)
+    for (d, e), want in (((20, 12), 4), ((64, 96), 8), ((128, 128), 8)):
+        q, v = ArrayInfo.contiguous((1, 2, 50, d), "bfloat16"), ArrayInfo.contiguous((1, 2, 50, e), "bfloat16")
+        ed, kv = ArrayInfo.contiguous((2,), "float32"), ArrayInfo.contiguous((1, 2, d, e), "float32")
+        for config in (None, LightningBackwardConfig(num_warps=8)):
+            plan = plan_lightning_attention_backward(h200, q, q, v, ed, None, kv, v, kv, output_final_state_only=True,
+                                                     need_grad_ed=False, config=config)
+            assert [launch.num_warps for launch in plan.launches] == [want] * 3, (d, e, config)

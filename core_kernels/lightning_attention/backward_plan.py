@@ -19,7 +19,8 @@ class LightningBackwardConfig:
     """block_t: tokens per chunk; block_d / block_e: the D-tile of the dq and dk
     programs and the E-tile of the dv programs (powers of two >= 16);
     dot_precision: the products' input precision on the GPU for fp32/fp16
-    inputs ("tf32" or "ieee"; bf16 inputs multiply in bf16)."""
+    inputs ("tf32" or "ieee"; bf16 inputs multiply in bf16); num_warps: at
+    most 4 are used where a tile is narrower than 64 (see _default_config)."""
     block_t: int = 64
     block_d: int = 64
     block_e: int = 64
@@ -36,17 +37,16 @@ class LightningBackwardConfig:
                 raise ValueError(f"config: {name} must be a power of two >= 16, got {value}")
 
 
-def _default_config(dtype: str, d: int, e: int) -> LightningBackwardConfig:
+def _default_config(dtype: str) -> LightningBackwardConfig:
     """NOTE: H200, 2026-11-24, the backward launches alone (D = E = 128, final
     state, B1 H64 N4096 / B4 H64 N1024; benchmarks/bench_lightning_backward.py
     --sweep over block_t 32/64, tiles 32/64, 4/8 warps, 1/2 stages): bf16 best
     with block_t 64, tile 64, 8 warps (1518 / 1362 us; 4 warps: 5063 / 4212 us,
     register spills), fp32 with block_t 32, tile 64, 8 warps (2171 / 2044 us;
-    block_t 64: 2364 / 2212 us). Below 64-wide tiles 4 warps: with 8, bf16 dv
-    at D 20, E 12 (16-wide tiles) came out NaN on the H200 (2026-11-24), while
-    4 warps there were right."""
-    warps = 8 if min(next_pow2(d), next_pow2(e)) >= 64 else 4
-    return LightningBackwardConfig(block_t=64 if dtype == "bfloat16" else 32, num_warps=warps)
+    block_t 64: 2364 / 2212 us). Below 64-wide tiles the plan runs 4 warps:
+    with 8, bf16 dv at D 20, E 12 (16-wide tiles) came out NaN on the H200
+    (2026-11-24), while 4 warps there were right."""
+    return LightningBackwardConfig(block_t=64 if dtype == "bfloat16" else 32)
 
 
 BACKWARD_RESULTS = ("grad_q", "grad_k", "grad_v", "grad_kv_history", "grad_ed")
@@ -73,7 +73,7 @@ def plan_lightning_attention_backward(
     """
     check_config(config, (LightningBackwardConfig,))
     p = _validate_prefill(q, k, v, ed, kv_history, block_size, output_final_state_only)
-    c = config or _default_config(p.dtype, p.d, p.e)
+    c = config or _default_config(p.dtype)
     kv_shape = prefill_state_shape(p.b, p.h, p.n, p.d, p.e, p.block_size, p.final_only)
     _check_gradients(grad_output, (p.b, p.h, p.n, p.e), "[B, H, N, E]", p.dtype, kv, grad_kv, kv_shape,
                      "the forward's returned states")
@@ -131,6 +131,9 @@ def _launches(target, c, buffers, p: _Dims, strides: dict, walk: dict, chunks: i
     tile_d, tile_e = min(c.block_d, max(16, next_pow2(p.d))), min(c.block_e, max(16, next_pow2(p.e)))
     full_d, full_e = max(16, next_pow2(p.d)), max(16, next_pow2(p.e))
     n_dt, n_et = cdiv(p.d, tile_d), cdiv(p.e, tile_e)
+    # NOTE: at most 4 warps below 64-wide tiles, whatever the config says: 8 gave
+    # NaN in bf16 dv at D 20, E 12 on the H200 (_default_config)
+    warps = c.num_warps if min(tile_d, tile_e) >= 64 else min(c.num_warps, 4)
     # NOTE: a launch writes buffers of its own in full (the JAX executor takes a
     # launch's outputs as written by it): scratch stands in for d kv_history
     # without a kv_history, for the dV launch's, and for the decay partials
@@ -159,7 +162,7 @@ def _launches(target, c, buffers, p: _Dims, strides: dict, walk: dict, chunks: i
                     dq_ptr="grad_q", part_ptr="decay_parts"),
         writes=("dq_ptr", "part_ptr"),
         constexprs=dict(consts, BLOCK_D=tile_d, BLOCK_E=full_e, NEED_DECAY=need_grad_ed),
-        num_warps=c.num_warps, num_stages=c.num_stages)]
+        num_warps=warps, num_stages=c.num_stages)]
     for for_dk in (True, False):
         launches.append(Launch(
             kernel=_lightning_bwd_dkv_kernel, grid=(n_dt if for_dk else n_et, p.b * p.h),
@@ -169,7 +172,7 @@ def _launches(target, c, buffers, p: _Dims, strides: dict, walk: dict, chunks: i
             writes=("grad_ptr", "dhist_ptr"),
             constexprs=dict(consts, BLOCK_D=tile_d if for_dk else full_d, BLOCK_E=full_e if for_dk else tile_e,
                             FOR_DK=for_dk),
-            num_warps=c.num_warps, num_stages=c.num_stages))
+            num_warps=warps, num_stages=c.num_stages))
     if need_grad_ed:
         launches.append(Launch(kernel=_lightning_bwd_decay_kernel, grid=(p.h,),
                                params=dict(part_ptr="decay_parts", batch=Scalar(p.b), num_heads=Scalar(p.h),
@@ -203,7 +206,7 @@ def plan_lightning_attention_varlen_backward(
     from .varlen_plan import _validate as _validate_varlen
     check_config(config, (LightningBackwardConfig,))
     p = _validate_varlen(q, k, v, ed, cu_seqlens, None, None, 256)
-    c = config or _default_config(p.dtype, p.d, p.e)
+    c = config or _default_config(p.dtype)
     states = (p.b, p.h, p.d, p.e)
     _check_gradients(grad_output, (p.t, p.h, p.e), "[T, H, E]", p.dtype, kv, grad_kv, states,
                      "[B, H, D, E], the forward's final states")

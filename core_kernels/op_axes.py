@@ -168,12 +168,16 @@ LINEAR_DECODE = OpAxes(
     unbatchable=("slot_idx",),
 )
 
+# packed [T, H, *] tokens of B sequences, and [B or slots, H, D, E] states
+_VARLEN_TOKENS = {"q": (None, "heads", None), "k": (None, "heads", None), "v": (None, "heads", None),
+                  "ed": ("heads",), "cu_seqlens": (None,)}
+_VARLEN_STATES = (None, "heads", None, None)
+_VARLEN_OUTPUTS = {"output": (None, "heads", None), "kv": _VARLEN_STATES}
+
 LIGHTNING_VARLEN = OpAxes(
     "lightning_attention_varlen",
-    inputs={"q": (None, "heads", None), "k": (None, "heads", None), "v": (None, "heads", None),
-            "ed": ("heads",), "cu_seqlens": (None,), "kv_cache": (None, "heads", None, None),
-            "slot_idx": (None,)},
-    outputs={"output": (None, "heads", None), "kv": (None, "heads", None, None)},
+    inputs={**_VARLEN_TOKENS, "kv_cache": _VARLEN_STATES, "slot_idx": (None,)},
+    outputs=_VARLEN_OUTPUTS,
     independent=("heads",),
     fold=("heads",),
     unbatchable=("cu_seqlens", "slot_idx"),
@@ -181,9 +185,8 @@ LIGHTNING_VARLEN = OpAxes(
 
 LIGHTNING_VARLEN_HISTORY = OpAxes(  # torch's differentiable form of the cache (sequence b from kv_history[b])
     "lightning_attention_varlen_history",
-    inputs={"q": (None, "heads", None), "k": (None, "heads", None), "v": (None, "heads", None),
-            "ed": ("heads",), "cu_seqlens": (None,), "kv_history": (None, "heads", None, None)},
-    outputs={"output": (None, "heads", None), "kv": (None, "heads", None, None)},
+    inputs={**_VARLEN_TOKENS, "kv_history": _VARLEN_STATES},
+    outputs=_VARLEN_OUTPUTS,
     independent=("heads",),
     fold=("heads",),
     unbatchable=("cu_seqlens",),
@@ -191,13 +194,10 @@ LIGHTNING_VARLEN_HISTORY = OpAxes(  # torch's differentiable form of the cache (
 
 LIGHTNING_VARLEN_BACKWARD = OpAxes(
     "lightning_attention_varlen_backward",
-    inputs={"q": (None, "heads", None), "k": (None, "heads", None), "v": (None, "heads", None),
-            "ed": ("heads",), "cu_seqlens": (None,), "kv": (None, "heads", None, None),
-            "grad_output": (None, "heads", None), "grad_kv": (None, "heads", None, None),
-            "kv_history": (None, "heads", None, None)},
+    inputs={**_VARLEN_TOKENS, "kv": _VARLEN_STATES, "grad_output": (None, "heads", None),
+            "grad_kv": _VARLEN_STATES, "kv_history": _VARLEN_STATES},
     outputs={"grad_q": (None, "heads", None), "grad_k": (None, "heads", None),
-             "grad_v": (None, "heads", None), "grad_ed": ("heads",),
-             "grad_kv_history": (None, "heads", None, None)},
+             "grad_v": (None, "heads", None), "grad_ed": ("heads",), "grad_kv_history": _VARLEN_STATES},
     independent=("heads",),
     fold=("heads",),
     unbatchable=("cu_seqlens",),

@@ -90,6 +90,16 @@ def _backward(arrays, *, block_size, output_final_state_only, need_grad_ed):
     return run_plan(plan, arrays, tgt)
 
 
+def output_cotangents(grads):
+    """(output cotangent, states cotangent or None) of a prefill's custom VJP with
+    symbolic zeros: a zero output cotangent is materialised (the kernels read
+    it), a zero states cotangent is None (the plans take none)."""
+    grad_o, grad_kv = grads
+    if isinstance(grad_o, SymbolicZero):
+        grad_o = jnp.zeros(grad_o.shape, grad_o.dtype)
+    return grad_o, None if isinstance(grad_kv, SymbolicZero) else grad_kv
+
+
 def with_vjp(forward, backward):
     """The public prefill: ``forward`` (with its vmap rule) under a
     ``jax.custom_vjp`` whose backward is ``backward`` (the backward kernels, with
@@ -124,9 +134,7 @@ def with_vjp(forward, backward):
         def prefill_bwd(res, grads):
             args, kv = res
             q, k, v, ed, *hist = args
-            grad_o, grad_kv = (None if isinstance(g, SymbolicZero) else g for g in grads)
-            if grad_o is None:
-                grad_o = jnp.zeros(grads[0].shape, grads[0].dtype)
+            grad_o, grad_kv = output_cotangents(grads)
             need = ed_perturbed[-1] if ed_perturbed else True
             dq, dk, dv, dhist, ded = backward(
                 q, k, v, ed, hist[0] if hist else None, kv, grad_o, grad_kv, need_grad_ed=need, **options)

@@ -5,7 +5,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.custom_derivatives import SymbolicZero
 import numpy as np
 
 from core_kernels.lightning_attention import (check_varlen_host_data, plan_lightning_attention_varlen,
@@ -18,6 +17,7 @@ from core_kernels.op_axes import LIGHTNING_VARLEN, LIGHTNING_VARLEN_BACKWARD
 from . import _spmd
 from ._executor import info, run_plan, target
 from ._index_validation import check_indices, index_validation
+from ._ops_lightning import output_cotangents
 
 
 def _host(x) -> bool:
@@ -114,11 +114,6 @@ def _varlen_backward(arrays, *, need_grad_ed):
     return run_plan(plan, arrays, tgt)
 
 
-def _cotangents(grads):
-    """A custom VJP's output cotangents with symbolic zeros made None."""
-    return tuple(None if isinstance(g, SymbolicZero) else g for g in grads)
-
-
 def with_vjp(forward, backward):
     """The public varlen prefill under a ``jax.custom_vjp`` whose backward is
     ``backward``: without a cache, over (q, k, v, ed); with one, over
@@ -160,9 +155,7 @@ def with_vjp(forward, backward):
         def varlen_bwd(res, grads):
             args, final, hist = res
             q, k, v, ed, cu, *cache = args
-            grad_o, grad_kv = _cotangents(grads)
-            if grad_o is None:
-                grad_o = jnp.zeros(grads[0].shape, grads[0].dtype)
+            grad_o, grad_kv = output_cotangents(grads)
             need = ed_perturbed[-1] if ed_perturbed else True
             if not cached:
                 dq, dk, dv, ded, _ = backward(q, k, v, ed, cu, final, grad_o, grad_kv, need_grad_ed=need)

@@ -67,6 +67,15 @@ def _pow_decay(s, m):
 
 
 @triton.jit
+def _causal_decay(s, diff):
+    """W = lambda^diff where diff >= 0, else 0 (rows past a chunk's end load
+    zeros, so W needs no row mask). NOTE: recomputed per chunk (BLOCK_T^2
+    exponentials) rather than held across the loop: registers are the scarce
+    resource in these kernels."""
+    return tl.where(diff >= 0, _pow_decay(s, tl.maximum(diff, 0)), 0.0)
+
+
+@triton.jit
 def _rows(ptr, base, t0, o_r, m_r, stride_t, o_c, m_c):
     """[BLOCK_T, len(o_c)] fp32 tile of token rows t0 + o_r (masked rows read 0).
     NOTE: kept fp32 (each product casts its operands): with the input's dtype
@@ -156,7 +165,7 @@ def _state_end(n_tok, block_len, head_k, head_v, t0, n_valid, blk, FINAL_ONLY: t
 
 @triton.jit
 def _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, hist_ptr, dkv_ptr, dq_ptr, part_ptr, part_idx,
-                i_b, i_h, i_bh, i_d, t_first, n_tok, n_chunks, dq_base, dq_row, s,
+                i_b, i_h, i_bh, i_d, n_tok, n_chunks, dq_base, dq_row, s,
                 block_len, num_states, head_k, head_v,
                 q_base, k_base, v_base, do_base, stride_qt, stride_kt, stride_vt, stride_ot,
                 stride_hb, stride_hh, stride_hd,
@@ -189,10 +198,7 @@ def _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, hist_ptr, dkv_ptr, dq_ptr, part_ptr
         b_do = _rows(do_ptr, do_base, t0, o_r, m_r, stride_ot, o_e, m_e)  # [T, E]
         b_v = _rows(v_ptr, v_base, t0, o_r, m_r, stride_vt, o_e, m_e)     # [T, E]
         b_k = _rows(k_ptr, k_base, t0, o_r, m_r, stride_kt, o_d, m_d)     # [T, D]
-        # NOTE: W is recomputed per chunk (BLOCK_T^2 exponentials) rather than
-        # held across the loop: registers are the scarce resource here. Rows
-        # past a chunk's end load zeros, so W needs no row mask.
-        w = tl.where(diff >= 0, _pow_decay(s, tl.maximum(diff, 0)), 0.0)
+        w = _causal_decay(s, diff)
         b_a = _dot(b_do, _t(b_v, DOT_BF16), _zeros(BLOCK_T, BLOCK_T), DOT_BF16, DOT_PRECISION) * w
         b_in = _dot(b_do, _t(b_s, DOT_BF16), _zeros(BLOCK_T, BLOCK_D), DOT_BF16, DOT_PRECISION)
         b_dq = _dot(b_a, b_k, b_in * head[:, None], DOT_BF16, DOT_PRECISION)  # [T, T] @ [T, D]
@@ -232,7 +238,7 @@ def _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, hist_ptr, dkv_ptr, dq_ptr, part_ptr
 
 @triton.jit
 def _dkv_program(q_ptr, k_ptr, v_ptr, do_ptr, dkv_ptr, grad_ptr, dhist_ptr,
-                 i_bh, i_t, t_first, n_tok, n_chunks, g_base, g_row, s,
+                 i_bh, i_t, n_tok, n_chunks, g_base, g_row, s,
                  block_len, num_states, head_k, head_v,
                  q_base, k_base, v_base, do_base, stride_qt, stride_kt, stride_vt, stride_ot,
                  BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -270,7 +276,7 @@ def _dkv_program(q_ptr, k_ptr, v_ptr, do_ptr, dkv_ptr, grad_ptr, dhist_ptr,
         b_q = _rows(q_ptr, q_base, t0, o_r, m_r, stride_qt, o_d, m_d)     # [T, D]
         b_do = _rows(do_ptr, do_base, t0, o_r, m_r, stride_ot, o_e, m_e)  # [T, E]
         tail = _pow_decay(s, tl.maximum(n_valid - 1 - o_r, 0))  # lambda^(L-1-r)
-        w = tl.where(diff >= 0, _pow_decay(s, tl.maximum(diff, 0)), 0.0)  # as in _dq_program
+        w = _causal_decay(s, diff)
         if FOR_DK:
             b_v = _rows(v_ptr, v_base, t0, o_r, m_r, stride_vt, o_e, m_e)     # [T, E]
             b_a = _dot(b_v, _t(b_do, DOT_BF16), _zeros(BLOCK_T, BLOCK_T), DOT_BF16, DOT_PRECISION) * w
@@ -292,10 +298,12 @@ def _dkv_program(q_ptr, k_ptr, v_ptr, do_ptr, dkv_ptr, grad_ptr, dhist_ptr,
             # S_{-1} = kv_history: its adjoint is lambda G_0 (the walk's last
             # update includes that factor) plus the gradient of returned state 0
             # (or of the final state when there are no tokens: it is S_{-1})
-            if HAS_DKV and not FINAL_ONLY:
-                b_g += tl.load(dkv_ptr + st_base + o_de, mask=m_de, other=0.0)
-            if HAS_DKV and FINAL_ONLY:
-                b_g += tl.load(dkv_ptr + st_base + o_de, mask=m_de & (n_tok == 0), other=0.0)
+            if HAS_DKV:
+                if FINAL_ONLY:
+                    m_0 = m_de & (n_tok == 0)
+                else:
+                    m_0 = m_de
+                b_g += tl.load(dkv_ptr + st_base + o_de, mask=m_0, other=0.0)
             p_dh = dhist_ptr + i_bh.to(tl.int64) * head_k * head_v + o_de
             tl.store(p_dh, b_g, mask=m_de)
 
@@ -305,11 +313,12 @@ def _prologue(decay_ptr, cu_ptr, i_bh, num_heads, seq_len, num_chunks, width, st
               stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
               stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot,
               BLOCK_T: tl.constexpr, VARLEN: tl.constexpr):
-    """(decay rate, _sequence's values, the q / k / v / dO bases) of program row i_bh."""
+    """(decay rate, _sequence's values but the first token, the q / k / v / dO
+    bases) of program row i_bh."""
     s = tl.minimum(tl.load(decay_ptr + (i_bh % num_heads).to(tl.int64) * stride_decay).to(tl.float32), 1e30)
     i_b, i_h, t_first, n_tok, n_chunks, g_base, g_row = _sequence(
         i_bh, num_heads, seq_len, num_chunks, cu_ptr, width, BLOCK_T, VARLEN)
-    return (s, i_b, i_h, t_first, n_tok, n_chunks, g_base, g_row,
+    return (s, i_b, i_h, n_tok, n_chunks, g_base, g_row,
             i_b * stride_qb + i_h * stride_qh + t_first * stride_qt,
             i_b * stride_kb + i_h * stride_kh + t_first * stride_kt,
             i_b * stride_vb + i_h * stride_vh + t_first * stride_vt,
@@ -332,12 +341,12 @@ def _lightning_bwd_dq_kernel(
     """Program (D-tile, bh): dq (and with NEED_DECAY the decay's partial)."""
     i_p = tl.program_id(0)
     i_bh = tl.program_id(1)
-    s, i_b, i_h, t_first, n_tok, n_chunks, g_base, g_row, q_base, k_base, v_base, do_base = _prologue(
+    s, i_b, i_h, n_tok, n_chunks, g_base, g_row, q_base, k_base, v_base, do_base = _prologue(
         decay_ptr, cu_ptr, i_bh, num_heads, seq_len, num_chunks, head_k, stride_decay,
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
         stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot, BLOCK_T, VARLEN)
     _dq_program(q_ptr, k_ptr, v_ptr, do_ptr, hist_ptr, dkv_ptr, dq_ptr, part_ptr,
-                i_bh.to(tl.int64) * tl.num_programs(0) + i_p, i_b, i_h, i_bh, i_p, t_first, n_tok, n_chunks,
+                i_bh.to(tl.int64) * tl.num_programs(0) + i_p, i_b, i_h, i_bh, i_p, n_tok, n_chunks,
                 g_base, g_row, s, block_len, num_states, head_k, head_v,
                 q_base, k_base, v_base, do_base, stride_qt, stride_kt, stride_vt, stride_ot,
                 stride_hb, stride_hh, stride_hd,
@@ -363,12 +372,12 @@ def _lightning_bwd_dkv_kernel(
         width = head_k
     else:
         width = head_v
-    s, i_b, i_h, t_first, n_tok, n_chunks, g_base, g_row, q_base, k_base, v_base, do_base = _prologue(
+    s, i_b, i_h, n_tok, n_chunks, g_base, g_row, q_base, k_base, v_base, do_base = _prologue(
         decay_ptr, cu_ptr, i_bh, num_heads, seq_len, num_chunks, width, stride_decay,
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
         stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot, BLOCK_T, VARLEN)
     _dkv_program(q_ptr, k_ptr, v_ptr, do_ptr, dkv_ptr, grad_ptr, dhist_ptr,
-                 i_bh, i_p, t_first, n_tok, n_chunks, g_base, g_row, s,
+                 i_bh, i_p, n_tok, n_chunks, g_base, g_row, s,
                  block_len, num_states, head_k, head_v,
                  q_base, k_base, v_base, do_base, stride_qt, stride_kt, stride_vt, stride_ot,
                  BLOCK_T, BLOCK_D, BLOCK_E, CHUNKS, FOR_DK, HAS_DKV, FINAL_ONLY, HAS_HIST,

@@ -126,22 +126,24 @@ def cases(copy_bw):
 
 
 def sweep(name, tensors, nbytes, copy_bw):
-    """Segment lengths and E-tiles (torch launch, cold L2): the planner's choice first."""
+    """The Gluon kernels with and without longest-first order, then the Triton
+    kernel's segment lengths and E-tiles (torch launch, cold L2)."""
+    import dataclasses
     from adapters.torch._executor import info, run_plan, target_for
-    from core_kernels.lightning_attention import LightningVarlenConfig, plan_lightning_attention_varlen
+    from core_kernels.lightning_attention import (LightningVarlenConfig, LightningVarlenGluonConfig,
+                                                  plan_lightning_attention_varlen)
     from core_kernels.lightning_attention.varlen_plan import varlen_work_items
-    C = LightningVarlenConfig
-    configs = [C(segment_len=0), C(segment_len=4096), C(segment_len=2048), C(segment_len=1024),
-               C(segment_len=512)]
+    C, G = LightningVarlenConfig, LightningVarlenGluonConfig
+    configs = [G(longest_first=True), G(longest_first=False), C(), C(segment_len=4096), C(segment_len=1024)]
     if tensors[0].dtype.itemsize == 2:
-        configs += [C(block_e=32), C(block_e=32, segment_len=1024), C(block_e=64, num_stages=2)]
+        configs += [G(stages=4), C(block_e=32), C(block_e=64, num_stages=2)]
     names = ("q", "k", "v", "ed", "cu_seqlens", "kv_cache", "slot_idx")
     env = dict(zip(names, tensors))
     rows = []
     for cfg in configs:
-        label = "-".join(f"{f}{getattr(cfg, f)}" for f in ("block_e", "num_stages", "segment_len")
-                         if getattr(cfg, f) is not None)
-        row_name = f"sweep-{name}-{label}"
+        label = "-".join(f"{f.name}{getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+                         if getattr(cfg, f.name) is not None and f.name != "dot_precision")
+        row_name = f"sweep-{name}-{'gluon' if isinstance(cfg, G) else 'triton'}-{label}".rstrip("-")
         try:
             plan = plan_lightning_attention_varlen(target_for(tensors[0].device), *(info(x) for x in tensors),
                                                    config=cfg)

@@ -9,7 +9,9 @@ import torch
 from core_kernels._interpret import run_plan_numpy
 from core_kernels._plan import ArrayInfo
 from core_kernels._target import Target
-from core_kernels.lightning_attention import (LightningVarlenConfig, lightning_attention_varlen_reference,
+from core_kernels.lightning_attention import (LightningGluonConfig, LightningVarlenConfig,
+                                              LightningVarlenGluonConfig,
+                                              lightning_attention_varlen_reference,
                                               plan_lightning_attention_varlen)
 from core_kernels.lightning_attention.varlen_plan import varlen_work_items
 from harness import (DEVICE, FLOAT_DTYPES, GPU, JaxAdapter, TorchAdapter, assert_bitwise_equal,
@@ -437,6 +439,8 @@ def test_grid_depends_on_t_b_and_the_segment_length_only():
 
 def test_segments_only_when_sequences_cannot_fill_the_gpu():
     many = _plan(HOPPER, 16 * 4096, 16)                       # 16 x 64 heads x E-tiles: many waves
+    assert many.launches[0].kernel.fn.__name__ == "_gluon_varlen_kernel"  # never cuts
+    many = _plan(HOPPER, 16 * 4096, 16, config=LightningVarlenConfig())
     assert not many.launches[0].constexprs["SEGMENTED"]
     few = _plan(HOPPER, 65536, 2, h=8)                        # 2 sequences x 8 heads
     launch = few.launches[0]
@@ -448,6 +452,59 @@ def test_segments_only_when_sequences_cannot_fill_the_gpu():
     # more SMs: more items for the same problem
     more = _plan(Target("cuda", 90, 264, gluon=True), 65536, 2, h=8)
     assert varlen_work_items(more) > varlen_work_items(few)
+
+
+def _kernel(plan):
+    return plan.launches[0].kernel.fn.__name__
+
+
+@pytest.mark.parametrize("dtype,kernel", [("bfloat16", "_gluon_varlen_kernel"),
+                                          ("float32", "_gluon_varlen_tf32_kernel")])
+def test_gluon_kernels_where_they_apply(dtype, kernel):
+    """Gluon on sm_90 for bf16/fp32, D 128, E a multiple of 64, 16-byte rows,
+    sequences that fill the GPU uncut; the Triton kernel everywhere else."""
+    plan = _plan(HOPPER, 5000, 16, dtype=dtype)
+    launch = plan.launches[0]
+    assert _kernel(plan) == kernel and launch.grid == (16 * 64 * 2,)
+    assert launch.constexprs["ORDER_B"] == 16 and launch.constexprs["STRIDE_OT"] == 64 * 128
+    assert launch.outputs == ("output", "kv_cache") and "kv_cache" in launch.args
+    assert varlen_work_items(plan) == 16
+    states = _plan(HOPPER, 5000, 16, dtype=dtype, cache=False)
+    assert not states.buffers["states"].zero_init  # every sequence's state is written
+    # B = 1 needs no order; past LONGEST_FIRST_MAX the sequences run in index order
+    assert _plan(HOPPER, 5000, 1, h=256, dtype=dtype).launches[0].constexprs["ORDER_B"] == 0
+    assert _plan(HOPPER, 5000, 100, dtype=dtype).launches[0].constexprs["ORDER_B"] == 0
+    off = _plan(HOPPER, 5000, 16, dtype=dtype, config=LightningVarlenGluonConfig(longest_first=False))
+    assert off.launches[0].constexprs["ORDER_B"] == 0
+    # elsewhere: the Triton kernel
+    for other in (_plan(Target.interpreter(), 5000, 16, dtype=dtype),          # no Gluon
+                  _plan(Target("cuda", 80, 108), 5000, 16, dtype=dtype),         # not sm_90
+                  _plan(HOPPER, 5000, 16, dtype=dtype, d=64),                    # D != 128
+                  _plan(HOPPER, 5000, 16, dtype=dtype, e=96),                    # E % 64
+                  _plan(HOPPER, 65536, 2, h=8, dtype=dtype),                     # wants cuts
+                  _plan(HOPPER, 5000, 16, dtype=dtype, config=LightningVarlenConfig())):
+        assert _kernel(other) == "_lightning_varlen_kernel"
+    assert _kernel(_plan(HOPPER, 5000, 16, dtype="float16")) == "_lightning_varlen_kernel"
+    # token rows not 16-byte aligned: q with a token stride of H * D + 1 elements
+    t, h = 5000, 64
+    q = ArrayInfo((t, h, 128), dtype, (h * 128 + 1, 128, 1))
+    v = ArrayInfo.contiguous((t, h, 128), dtype)
+    odd = plan_lightning_attention_varlen(HOPPER, q, v, v, ArrayInfo.contiguous((h,), "float32"),
+                                          ArrayInfo.contiguous((17,), "int32"))
+    assert _kernel(odd) == "_lightning_varlen_kernel"
+
+
+@pytest.mark.parametrize("config,match", [
+    (LightningVarlenGluonConfig(), "does not apply here: D=64"),
+    (LightningVarlenGluonConfig(stages=3), "fp32 Gluon kernel keeps a 2-deep load ring"),
+    (LightningVarlenGluonConfig(longest_first=True), "longest_first for 100 sequences"),
+], ids=["unfit", "fp32-stages", "too-many-to-order"])
+def test_gluon_config_errors_name_the_config(config, match):
+    kw = dict(d=64) if match.endswith("D=64") else {}
+    with pytest.raises(ValueError, match="config: .*" + match.replace("(", r"\(")):
+        _plan(HOPPER, 5000, 100 if "100" in match else 16, dtype="float32", config=config, **kw)
+    with pytest.raises(TypeError, match="config"):  # the prefill's Gluon config is not the varlen one
+        _plan(HOPPER, 5000, 16, config=LightningGluonConfig())
 
 
 def test_cache_aliasing_and_results():
@@ -550,3 +607,76 @@ def test_gpu_cuda_graph_replay():
     check_relative(torch_to_numpy(out), ref_out, "bfloat16", "graph replay output")
     check_relative(torch_to_numpy(args[5])[[0, 3, 4]], ref_cache[[0, 3, 4]], "bfloat16", "graph replay cache")
     assert_bitwise_equal(torch_to_numpy(args[5])[[1, 2, 5]], cache[[1, 2, 5]], "untouched slots")
+
+
+# partial last chunks (63, 65, 127, 4097), whole ones (64, 128, 1024), empty and one-token sequences
+GLUON_LENS = [0, 1, 63, 64, 65, 127, 128, 700, 1024, 4097, 3]
+GLUON_SLOTS = [3, 0, -1, 5, 7, 13, 1, -1, 9, 2, 11]
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_gluon_kernels(dtype):
+    """The Gluon varlen kernels (forced here; the planner picks them where the
+    batch fills the GPU uncut) against the float64 recurrence and the Triton
+    kernel; slots -1 and untouched slots; torch == JAX; the program order
+    (longest first or index order) changes no bit."""
+    h = 4
+    q, k, v, ed, cu, cache = make_varlen(GLUON_LENS, h, 128, 128, dtype, 14)
+    slots = np.array(GLUON_SLOTS, np.int64)
+    gluon = LightningVarlenGluonConfig(longest_first=True)
+    out, new_cache = TestTorch().run(q, k, v, ed, cu, cache, slots, config=gluon)
+    ref_out, ref_cache = _reference_torch64(q, k, v, ed, cu, cache, slots)
+    check_relative(out, ref_out, dtype, "output")
+    named = [s for b, s in enumerate(slots) if s >= 0 and cu[b + 1] > cu[b]]
+    check_relative(new_cache[named], ref_cache[named], dtype, "cache")
+    keep = untouched(cache, slots) + [3]  # slot 3 belongs to the empty sequence: left alone
+    assert_bitwise_equal(new_cache[keep], cache[keep], "untouched slots")
+    tri_out, tri_cache = TestTorch().run(q, k, v, ed, cu, cache, slots, config=LightningVarlenConfig())
+    check_relative(out, tri_out, dtype, "output vs the Triton kernel")
+    check_relative(new_cache[named], tri_cache[named], dtype, "cache vs the Triton kernel")
+    in_order = TestTorch().run(q, k, v, ed, cu, cache, slots,
+                               config=LightningVarlenGluonConfig(longest_first=False))
+    assert_bitwise_equal(out, in_order[0], "output, longest first vs index order")
+    assert_bitwise_equal(new_cache, in_order[1], "cache, longest first vs index order")
+    j = TestJax().run(q, k, v, ed, cu, cache, slots, config=gluon, jit=True)
+    assert_bitwise_equal(out, j[0], "output torch vs jax")
+    assert_bitwise_equal(new_cache, j[1], "cache torch vs jax")
+    # without a cache: every sequence from zero, the final states returned
+    out0, states = TestTorch().run(q, k, v, ed, cu, config=gluon)
+    ref0, ref_states = _reference_torch64(q, k, v, ed, cu, np.zeros((len(GLUON_LENS), h, 128, 128), np.float32),
+                                          np.arange(len(GLUON_LENS)))
+    check_relative(out0, ref0, dtype, "output without a cache")
+    check_relative(states, ref_states, dtype, "final states")
+    assert not states[0].any()  # the empty sequence's state is zero
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_gluon_varlen_is_the_prefill_loop(dtype):
+    """A sequence of whole chunks runs the single-sequence Gluon prefill's loop
+    (one segment): the same bits, output and final state."""
+    lens = [1024, 64, 512]
+    q, k, v, ed, cu, cache = make_varlen(lens, 4, 128, 128, dtype, 4)
+    slots = np.array([2, 0, 1], np.int64)
+    out, new_cache = TestTorch().run(q, k, v, ed, cu, cache, slots, config=LightningVarlenGluonConfig())
+    qt, kt, vt = (to_torch(x) for x in (q, k, v))
+    for b, slot in enumerate(slots.tolist()):
+        lo, hi = int(cu[b]), int(cu[b + 1])
+        seq = [x[lo:hi].transpose(0, 1).unsqueeze(0) for x in (qt, kt, vt)]
+        o, kv = at.lightning_attention(*seq, to_torch(ed), 256, to_torch(cache[slot:slot + 1]), True,
+                                       config=LightningGluonConfig(num_segments=1))
+        assert_bitwise_equal(out[lo:hi], torch_to_numpy(o[0].transpose(0, 1)), f"output of sequence {b}")
+        assert_bitwise_equal(new_cache[slot], torch_to_numpy(kv[0]), f"final state of sequence {b}")
+
+
+@requires_gpu
+def test_gpu_gluon_out_of_range_slot_gives_nan():
+    """Device slot ids nobody checked: an id outside [-1, num_slots) gives that
+    sequence NaN outputs and writes no slot."""
+    q, k, v, ed, cu, cache = make_varlen([100, 70], 2, 128, 128, "bfloat16", 3)
+    slots = np.array([1, 7], np.int64)
+    out, new_cache = TestTorch().run(q, k, v, ed, cu, cache, slots, config=LightningVarlenGluonConfig(),
+                                     validate_indices=False)
+    assert np.isnan(out[100:]).all() and not np.isnan(out[:100]).any()
+    assert_bitwise_equal(new_cache[[0, 2]], cache[[0, 2]], "slots not named")

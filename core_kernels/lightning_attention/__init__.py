@@ -7,11 +7,11 @@ from .reference import (lightning_attention_backward_reference, lightning_attent
 __all__ = ["LightningTritonConfig", "LightningGluonConfig", "LightningDecodeConfig",
            "plan_lightning_attention", "plan_linear_decode", "prefill_state_shape",
            "check_slot_ids", "lightning_attention_reference", "linear_decode_reference"]
-from .varlen_plan import (LightningVarlenConfig, check_varlen_host_data,
+from .varlen_plan import (LightningVarlenConfig, LightningVarlenGluonConfig, check_varlen_host_data,
                           plan_lightning_attention_varlen)
 from .varlen_reference import lightning_attention_varlen_reference
 
-__all__ += ["LightningVarlenConfig", "plan_lightning_attention_varlen", "check_varlen_host_data",
+__all__ += ["LightningVarlenConfig", "LightningVarlenGluonConfig", "plan_lightning_attention_varlen", "check_varlen_host_data",
             "lightning_attention_varlen_reference"]
 from .backward_plan import (LightningBackwardConfig, plan_lightning_attention_backward,
                             plan_lightning_attention_varlen_backward)

@@ -31,32 +31,53 @@ from .._triton_utils import jit  # the integer policy; strides arrive divided by
 
 
 @gluon.jit
+def _copy_rows(dst, src, rows, limit, T: gl.constexpr, MASKED: gl.constexpr):
+    """Start the cp.async copy of a chunk tile (src: its [T, *] pointers, rows:
+    their row indices). MASKED (varlen): rows at or past `limit` are not read
+    and cp.async fills them with zeros; only a partial chunk (limit < T) takes
+    the masked copy."""
+    if MASKED:
+        if limit >= T:
+            async_copy.async_copy_global_to_shared(dst, src)
+        else:
+            async_copy.async_copy_global_to_shared(dst, src, mask=(rows < limit)[:, None])
+    else:
+        async_copy.async_copy_global_to_shared(dst, src)
+
+
+@gluon.jit
 def _load_kv(k_ring, v_ring, slot, c, base_k, base_v, offs_k, offs_v, T: gl.constexpr,
-             STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr):
-    """Start the cp.async copies of chunk c's k and v tiles into ring slot `slot`."""
-    async_copy.async_copy_global_to_shared(k_ring.index(slot), base_k + c * T * STRIDE_KT + offs_k)
-    async_copy.async_copy_global_to_shared(v_ring.index(slot), base_v + c * T * STRIDE_VT + offs_v)
+             STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr, seq_len=0, r_qk=None, r_v=None,
+             MASKED: gl.constexpr = False):
+    """Start the cp.async copies of chunk c's k and v tiles into ring slot `slot`
+    (MASKED: the sequence ends at seq_len, see _copy_rows; r_qk, r_v: the row
+    indices of the k and v tiles)."""
+    _copy_rows(k_ring.index(slot), base_k + c * T * STRIDE_KT + offs_k, r_qk, seq_len - c * T, T, MASKED)
+    _copy_rows(v_ring.index(slot), base_v + c * T * STRIDE_VT + offs_v, r_v, seq_len - c * T, T, MASKED)
 
 
 @gluon.jit
 def _load_chunk(q_ring, k_ring, v_ring, slot, c, base_q, base_k, base_v, offs_q, offs_k, offs_v,
                 T: gl.constexpr, STRIDE_QT: gl.constexpr, STRIDE_KT: gl.constexpr,
-                STRIDE_VT: gl.constexpr):
-    """Start the cp.async copies of chunk c's q, k, v tiles into ring slot `slot`."""
-    async_copy.async_copy_global_to_shared(q_ring.index(slot), base_q + c * T * STRIDE_QT + offs_q)
-    _load_kv(k_ring, v_ring, slot, c, base_k, base_v, offs_k, offs_v, T, STRIDE_KT, STRIDE_VT)
+                STRIDE_VT: gl.constexpr, seq_len=0, r_qk=None, r_v=None, MASKED: gl.constexpr = False):
+    """Start the cp.async copies of chunk c's q, k, v tiles into ring slot `slot`
+    (MASKED: as _load_kv)."""
+    _copy_rows(q_ring.index(slot), base_q + c * T * STRIDE_QT + offs_q, r_qk, seq_len - c * T, T, MASKED)
+    _load_kv(k_ring, v_ring, slot, c, base_k, base_v, offs_k, offs_v, T, STRIDE_KT, STRIDE_VT, seq_len,
+             r_qk, r_v, MASKED)
 
 
 @gluon.jit
 def _prologue(q_ring, k_ring, v_ring, c_lo, c_hi, base_q, base_k, base_v, offs_q, offs_k, offs_v,
               T: gl.constexpr, SLOTS: gl.constexpr, STRIDE_QT: gl.constexpr,
-              STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr):
+              STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr, seq_len=0, r_qk=None, r_v=None,
+              MASKED: gl.constexpr = False):
     """Fill the first SLOTS ring slots with chunks c_lo, c_lo+1, ... (one commit
     group per slot, empty past c_hi, so that wait_group counts stay uniform)."""
     for i in gl.static_range(SLOTS):
         if c_lo + i < c_hi:
             _load_chunk(q_ring, k_ring, v_ring, i, c_lo + i, base_q, base_k, base_v, offs_q, offs_k,
-                        offs_v, T, STRIDE_QT, STRIDE_KT, STRIDE_VT)
+                        offs_v, T, STRIDE_QT, STRIDE_KT, STRIDE_VT, seq_len, r_qk, r_v, MASKED)
         async_copy.commit_group()
 
 
@@ -141,8 +162,8 @@ def _token_offsets(ld_qk: gl.constexpr, ld_v: gl.constexpr, T: gl.constexpr, D: 
                    BE: gl.constexpr, STRIDE_QT: gl.constexpr, STRIDE_KT: gl.constexpr,
                    STRIDE_VT: gl.constexpr):
     """A chunk's q, k ([T, D], layout ld_qk) and v ([T, BE], ld_v) element offsets:
-    int32 within one (b, h) slice (the planner checks that they fit); and v's row
-    and column indices."""
+    int32 within one (b, h) slice (the planner checks that they fit); the row
+    indices of q, k and of v, and v's column indices."""
     r_qk = gl.arange(0, T, layout=gl.SliceLayout(1, ld_qk))
     c_qk = gl.arange(0, D, layout=gl.SliceLayout(0, ld_qk))
     r_v = gl.arange(0, T, layout=gl.SliceLayout(1, ld_v))
@@ -150,7 +171,7 @@ def _token_offsets(ld_qk: gl.constexpr, ld_v: gl.constexpr, T: gl.constexpr, D: 
     offs_q = r_qk[:, None] * STRIDE_QT + c_qk[None, :]
     offs_k = r_qk[:, None] * STRIDE_KT + c_qk[None, :]
     offs_v = r_v[:, None] * STRIDE_VT + c_v[None, :]
-    return offs_q, offs_k, offs_v, r_v, c_v
+    return offs_q, offs_k, offs_v, r_qk, r_v, c_v
 
 
 @gluon.jit
@@ -259,6 +280,108 @@ def _store_final(b_s, kv_base, offs_s, seg, num_segments, num_chunks, D: gl.cons
             gl.store(kv_base + offs_s, b_s)
 
 
+@gluon.constexpr_function
+def _bf16_layout(name, T, D, BE):
+    """The bf16 kernels' layouts (4 warps), by name: ld_qk / ld_v register
+    layouts of the [T, D] / [T, BE] tiles, mma_tt / mma_te of the [T, T] /
+    [T, BE] wgmma accumulators, p_op of P as an A operand, sh_qk / sh_v / sh_s
+    shared layouts of the q/k, v and state tiles."""
+    mma_te = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BE, 16])
+    return dict(
+        ld_qk=lambda: gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]),
+        ld_v=lambda: gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]),
+        mma_tt=lambda: gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, T, 16]),
+        mma_te=lambda: mma_te,
+        p_op=lambda: gl.DotOperandLayout(operand_index=0, parent=mma_te, k_width=2),
+        sh_qk=lambda: gl.NVMMASharedLayout.get_default_for([T, D], gl.bfloat16),
+        sh_v=lambda: gl.NVMMASharedLayout.get_default_for([T, BE], gl.bfloat16),
+        sh_s=lambda: gl.NVMMASharedLayout.get_default_for([D, BE], gl.bfloat16),
+    )[name]()
+
+
+@gluon.jit
+def _bf16_decays(s, r_v, T: gl.constexpr, mma_tt: gl.constexpr, mma_te: gl.constexpr):
+    """A whole chunk's decays: q S0 rows by lambda^(i+1), v rows by
+    lambda^(T-1-j), scores by lambda^(i-j) (j <= i), the state by lambda^T."""
+    t_te = gl.arange(0, T, layout=gl.SliceLayout(1, mma_te))
+    q_decay = gl.exp(-s * (t_te + 1).to(gl.float32))
+    k_decay = gl.exp(-s * (T - 1 - r_v).to(gl.float32))
+    i_tt = gl.arange(0, T, layout=gl.SliceLayout(1, mma_tt))
+    j_tt = gl.arange(0, T, layout=gl.SliceLayout(0, mma_tt))
+    diff = (i_tt[:, None] - j_tt[None, :]).to(gl.float32)
+    causal = gl.where(diff >= 0, gl.exp(-s * diff), 0.0)
+    chunk_decay = gl.exp(-s * T)
+    return q_decay, k_decay, causal, chunk_decay
+
+
+@gluon.jit
+def _bf16_chunks(b_s, q_ring, k_ring, v_ring, s_smem, vd_smem, c_lo, c_hi, kv_base, offs_s, base_q, base_k,
+                 base_v, base_o, offs_q, offs_k, offs_v, offs_o, q_decay, k_decay, causal, chunk_decay,
+                 T: gl.constexpr, D: gl.constexpr, E: gl.constexpr, BE: gl.constexpr,
+                 STAGES: gl.constexpr, BLOCK_CHUNKS: gl.constexpr, STRIDE_QT: gl.constexpr,
+                 STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr, STRIDE_OT: gl.constexpr,
+                 ld_v: gl.constexpr, mma_tt: gl.constexpr, mma_te: gl.constexpr, p_op: gl.constexpr,
+                 seq_len=0, s=0.0, r_qk=None, r_v=None, MASKED: gl.constexpr = False):
+    """The bf16 main loop over chunks [c_lo, c_hi) from state b_s; returns the
+    end state. o rows are STRIDE_OT apart (offs_o: a chunk's offsets).
+    MASKED (varlen): the last chunk may hold fewer than T of the sequence's
+    seq_len tokens; its loads stop there (zero-filled), its decays are those
+    of its length n (v rows by lambda^(n-1-j), the state by lambda^n) and only
+    its n rows of o are stored."""
+    _prologue(q_ring, k_ring, v_ring, c_lo, c_hi, base_q, base_k, base_v, offs_q, offs_k, offs_v,
+              T, STAGES - 1, STRIDE_QT, STRIDE_KT, STRIDE_VT, seq_len, r_qk, r_v, MASKED)
+    zero_tt = gl.zeros([T, T], gl.float32, layout=mma_tt)
+    zero_te = gl.zeros([T, BE], gl.float32, layout=mma_te)
+    for c in range(c_lo, c_hi):
+        if BLOCK_CHUNKS > 0:
+            if c % BLOCK_CHUNKS == 0:  # the state before this block
+                gl.store(kv_base + (c // BLOCK_CHUNKS) * D * E + offs_s, b_s)
+        # refill the slot chunk c-1 used with chunk c+STAGES-1 (a group is committed
+        # every iteration, empty or not, so that the wait_group count stays uniform)
+        if c + STAGES - 1 < c_hi:
+            _load_chunk(q_ring, k_ring, v_ring, (c + STAGES - 1) % STAGES, c + STAGES - 1, base_q, base_k,
+                        base_v, offs_q, offs_k, offs_v, T, STRIDE_QT, STRIDE_KT, STRIDE_VT, seq_len, r_qk,
+                        r_v, MASKED)
+        async_copy.commit_group()
+        async_copy.wait_group(STAGES - 1)
+        gl.thread_barrier()
+        slot = c % STAGES
+        q_s = q_ring.index(slot)
+        k_s = k_ring.index(slot)
+        v_s = v_ring.index(slot)
+        if MASKED:
+            n = gl.minimum(seq_len - c * T, T)
+            kd = gl.where(r_v < n, gl.exp(-s * (n - 1 - r_v).to(gl.float32)), 0.0)
+            cd = gl.exp(-s * n.to(gl.float32))
+        else:
+            kd = k_decay
+            cd = chunk_decay
+        # operands made in registers: the state (for q S) and the decayed v (for k^T v_d)
+        s_smem.store(b_s.to(gl.bfloat16))
+        b_v = v_s.load(ld_v).to(gl.float32)
+        vd_smem.store((b_v * kd[:, None]).to(gl.bfloat16))
+        # NOTE: scale the state before any wgmma is in flight: touching registers
+        # while a wgmma may be using them makes ptxas insert a wait (C7517)
+        b_s = b_s * cd
+        fence_async_shared()
+        gl.thread_barrier()
+        acc_qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_tt, use_acc=False, is_async=True)
+        acc_qs = warpgroup_mma(q_s, s_smem, zero_te, use_acc=False, is_async=True)
+        acc_s = warpgroup_mma(k_s.permute((1, 0)), vd_smem, b_s, is_async=True)
+        acc_qk = warpgroup_mma_wait(num_outstanding=2, deps=(acc_qk,))
+        p = gl.convert_layout((acc_qk * causal).to(gl.bfloat16), p_op)
+        acc_pv = warpgroup_mma(p, v_s, zero_te, use_acc=False, is_async=True)
+        acc_qs, acc_s, acc_pv = warpgroup_mma_wait(num_outstanding=0, deps=(acc_qs, acc_s, acc_pv))
+        b_s = acc_s
+        b_o = gl.convert_layout((acc_pv + acc_qs * q_decay[:, None]).to(gl.bfloat16), ld_v)
+        if MASKED and n < T:  # a partial chunk (varlen)
+            gl.store(base_o + c * T * STRIDE_OT + offs_o, b_o, mask=(r_v < n)[:, None])
+        else:
+            gl.store(base_o + c * T * STRIDE_OT + offs_o, b_o)
+    async_copy.wait_group(0)
+    return b_s
+
+
 @jit(gluon=True)
 def _gluon_prefill_kernel(
     q_ptr, k_ptr, v_ptr, decay_ptr, history_ptr,
@@ -290,18 +413,14 @@ def _gluon_prefill_kernel(
     112-byte spill made the prototype 2x slower); as constants they fold into
     the address immediates.
     """
-    # register layouts (4 warps)
-    ld_qk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])   # [T, D] bf16
-    ld_v: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])     # [T, BE] bf16
-    mma_tt: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, T, 16])
-    mma_te: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, BE, 16])
-    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_te, k_width=2)
-    sh_qk: gl.constexpr = gl.NVMMASharedLayout.get_default_for([T, D], gl.bfloat16)
-    sh_v: gl.constexpr = gl.NVMMASharedLayout.get_default_for([T, BE], gl.bfloat16)
-    sh_s: gl.constexpr = gl.NVMMASharedLayout.get_default_for([D, BE], gl.bfloat16)
-
+    ld_qk: gl.constexpr = _bf16_layout("ld_qk", T, D, BE)
+    ld_v: gl.constexpr = _bf16_layout("ld_v", T, D, BE)
+    mma_tt: gl.constexpr = _bf16_layout("mma_tt", T, D, BE)
+    mma_te: gl.constexpr = _bf16_layout("mma_te", T, D, BE)
+    p_op: gl.constexpr = _bf16_layout("p_op", T, D, BE)
+    sh_qk: gl.constexpr = _bf16_layout("sh_qk", T, D, BE)
+    sh_v: gl.constexpr = _bf16_layout("sh_v", T, D, BE)
+    sh_s: gl.constexpr = _bf16_layout("sh_s", T, D, BE)
     num_segments = last_segment + 1
     (ticket, per_seg, seg, i_bh, i_b, i_h, e0, s, c_lo, c_hi, num_chunks, base_q, base_k, base_v,
      base_o) = _program(sync_ptr, num_heads, num_rows, seq_len, seg_chunks, decay_ptr, stride_decay,
@@ -312,19 +431,9 @@ def _gluon_prefill_kernel(
     s_smem = gl.allocate_shared_memory(gl.bfloat16, [D, BE], sh_s)
     vd_smem = gl.allocate_shared_memory(gl.bfloat16, [T, BE], sh_v)
 
-    offs_q, offs_k, offs_v, r_v, c_v = _token_offsets(ld_qk, ld_v, T, D, BE, STRIDE_QT, STRIDE_KT,
-                                                      STRIDE_VT)
-    offs_o = r_v[:, None] * E + c_v[None, :]
-
-    # decays: q S0 rows by lambda^(i+1), v rows by lambda^(T-1-j), scores by lambda^(i-j)
-    t_te = gl.arange(0, T, layout=gl.SliceLayout(1, mma_te))
-    q_decay = gl.exp(-s * (t_te + 1).to(gl.float32))
-    k_decay = gl.exp(-s * (T - 1 - r_v).to(gl.float32))
-    i_tt = gl.arange(0, T, layout=gl.SliceLayout(1, mma_tt))
-    j_tt = gl.arange(0, T, layout=gl.SliceLayout(0, mma_tt))
-    diff = (i_tt[:, None] - j_tt[None, :]).to(gl.float32)
-    causal = gl.where(diff >= 0, gl.exp(-s * diff), 0.0)
-    chunk_decay = gl.exp(-s * T)
+    offs_q, offs_k, offs_v, r_qk, r_v, c_v = _token_offsets(ld_qk, ld_v, T, D, BE, STRIDE_QT, STRIDE_KT,
+                                                            STRIDE_VT)
+    q_decay, k_decay, causal, chunk_decay = _bf16_decays(s, r_v, T, mma_tt, mma_te)
 
     b_s, kv_base, r_s, c_s, offs_s = _start_state(history_ptr, kv_ptr, i_b, i_h, i_bh, e0, num_chunks,
                                                   stride_hb, stride_hh, stride_hd, D, E, BE, ALIGN,
@@ -334,47 +443,10 @@ def _gluon_prefill_kernel(
                              k_decay, chunk_decay, s, ticket, per_seg, seg, num_segments, sync_ptr, pub_ptr,
                              i_bh, e0, offs_s, T, D, E, BE, STAGES, STRIDE_KT, STRIDE_VT, ld_v, p_op,
                              mma_te, False)
-
-    _prologue(q_ring, k_ring, v_ring, c_lo, c_hi, base_q, base_k, base_v, offs_q, offs_k, offs_v,
-              T, STAGES - 1, STRIDE_QT, STRIDE_KT, STRIDE_VT)
-    zero_tt = gl.zeros([T, T], gl.float32, layout=mma_tt)
-    zero_te = gl.zeros([T, BE], gl.float32, layout=mma_te)
-    for c in range(c_lo, c_hi):
-        if BLOCK_CHUNKS > 0:
-            if c % BLOCK_CHUNKS == 0:  # the state before this block
-                gl.store(kv_base + (c // BLOCK_CHUNKS) * D * E + offs_s, b_s)
-        # refill the slot chunk c-1 used with chunk c+STAGES-1 (a group is committed
-        # every iteration, empty or not, so that the wait_group count stays uniform)
-        if c + STAGES - 1 < c_hi:
-            _load_chunk(q_ring, k_ring, v_ring, (c + STAGES - 1) % STAGES, c + STAGES - 1, base_q, base_k,
-                        base_v, offs_q, offs_k, offs_v, T, STRIDE_QT, STRIDE_KT, STRIDE_VT)
-        async_copy.commit_group()
-        async_copy.wait_group(STAGES - 1)
-        gl.thread_barrier()
-        slot = c % STAGES
-        q_s = q_ring.index(slot)
-        k_s = k_ring.index(slot)
-        v_s = v_ring.index(slot)
-        # operands made in registers: the state (for q S) and the decayed v (for k^T v_d)
-        s_smem.store(b_s.to(gl.bfloat16))
-        b_v = v_s.load(ld_v).to(gl.float32)
-        vd_smem.store((b_v * k_decay[:, None]).to(gl.bfloat16))
-        # NOTE: scale the state before any wgmma is in flight: touching registers
-        # while a wgmma may be using them makes ptxas insert a wait (C7517)
-        b_s = b_s * chunk_decay
-        fence_async_shared()
-        gl.thread_barrier()
-        acc_qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero_tt, use_acc=False, is_async=True)
-        acc_qs = warpgroup_mma(q_s, s_smem, zero_te, use_acc=False, is_async=True)
-        acc_s = warpgroup_mma(k_s.permute((1, 0)), vd_smem, b_s, is_async=True)
-        acc_qk = warpgroup_mma_wait(num_outstanding=2, deps=(acc_qk,))
-        p = gl.convert_layout((acc_qk * causal).to(gl.bfloat16), p_op)
-        acc_pv = warpgroup_mma(p, v_s, zero_te, use_acc=False, is_async=True)
-        acc_qs, acc_s, acc_pv = warpgroup_mma_wait(num_outstanding=0, deps=(acc_qs, acc_s, acc_pv))
-        b_s = acc_s
-        b_o = acc_pv + acc_qs * q_decay[:, None]
-        gl.store(base_o + c * T * E + offs_o, gl.convert_layout(b_o.to(gl.bfloat16), ld_v))
-    async_copy.wait_group(0)
+    b_s = _bf16_chunks(b_s, q_ring, k_ring, v_ring, s_smem, vd_smem, c_lo, c_hi, kv_base, offs_s, base_q,
+                       base_k, base_v, base_o, offs_q, offs_k, offs_v, r_v[:, None] * E + c_v[None, :],
+                       q_decay, k_decay, causal, chunk_decay, T, D, E, BE, STAGES, BLOCK_CHUNKS,
+                       STRIDE_QT, STRIDE_KT, STRIDE_VT, E, ld_v, mma_tt, mma_te, p_op)
     _store_final(b_s, kv_base, offs_s, seg, num_segments, num_chunks, D, E, BLOCK_CHUNKS)
 
 
@@ -383,16 +455,18 @@ def _tf32_state_partition(b_s, q_ring, k_ring, v_ring, st_buf, vt_buf, ready, st
                           c_lo, c_hi, kv_base, r_s, c_s, base_q, base_k, base_v, offs_q, offs_k, offs_v,
                           s_log2, chunk_decay, T: gl.constexpr, D: gl.constexpr, E: gl.constexpr,
                           BLOCK_CHUNKS: gl.constexpr, STRIDE_QT: gl.constexpr, STRIDE_KT: gl.constexpr,
-                          STRIDE_VT: gl.constexpr, ld_vt: gl.constexpr, a_s: gl.constexpr):
+                          STRIDE_VT: gl.constexpr, ld_vt: gl.constexpr, a_s: gl.constexpr, seq_len=0,
+                          r_qk=None, r_v=None, MASKED: gl.constexpr = False):
     """Warp-specialised fp32 prefill, the state warpgroup (the default partition):
     issues every load (a 2-deep ring), makes the operands the output warpgroup
     reads (v^T into vt_buf[i % 2], S^T into st_buf) and signals ready[i % 2],
     then updates the state S <- lambda^T S + k_d^T v while the output
     warpgroup's products run. Chunk i = c - c_lo; the output warpgroup frees
-    st_buf (q S done), ring slot i % 2 (q k^T, q S done) and vt_buf[i % 2] (P v done)."""
+    st_buf (q S done), ring slot i % 2 (q k^T, q S done) and vt_buf[i % 2] (P v done).
+    MASKED (varlen): as _bf16_chunks, the last chunk's n < T tokens."""
     t_a = gl.arange(0, T, layout=gl.SliceLayout(0, a_s))
     _prologue(q_ring, k_ring, v_ring, c_lo, c_hi, base_q, base_k, base_v, offs_q, offs_k, offs_v,
-              T, 2, STRIDE_QT, STRIDE_KT, STRIDE_VT)
+              T, 2, STRIDE_QT, STRIDE_KT, STRIDE_VT, seq_len, r_qk, r_v, MASKED)
     for c in range(c_lo, c_hi):
         i = c - c_lo
         slot = i % 2
@@ -410,8 +484,14 @@ def _tf32_state_partition(b_s, q_ring, k_ring, v_ring, st_buf, vt_buf, ready, st
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(ready.index(slot), count=1)
-        b_s = b_s * chunk_decay
-        k_decay = _exp2_ftz((T - 1 - t_a).to(gl.float32) * s_log2)
+        if MASKED:  # whole chunks: the same decays as unmasked (bitwise)
+            # (not `n`: that is the ring phase's count, still needed below)
+            n_tok = gl.minimum(seq_len - c * T, T)
+            b_s = b_s * gl.where(n_tok == T, chunk_decay, _exp2_ftz(n_tok.to(gl.float32) * s_log2))
+            k_decay = gl.where(t_a < n_tok, _exp2_ftz((n_tok - 1 - t_a).to(gl.float32) * s_log2), 0.0)
+        else:
+            b_s = b_s * chunk_decay
+            k_decay = _exp2_ftz((T - 1 - t_a).to(gl.float32) * s_log2)
         kt = k_ring.index(slot).permute((1, 0)).load(a_s) * k_decay[None, :]
         acc_s = warpgroup_mma(kt, vt_smem.permute((1, 0)), b_s, is_async=True)
         b_s = warpgroup_mma_wait(num_outstanding=0, deps=(acc_s, kt))[0]
@@ -420,7 +500,7 @@ def _tf32_state_partition(b_s, q_ring, k_ring, v_ring, st_buf, vt_buf, ready, st
         gl.thread_barrier()
         if c + 2 < c_hi:
             _load_chunk(q_ring, k_ring, v_ring, slot, c + 2, base_q, base_k, base_v, offs_q, offs_k,
-                        offs_v, T, STRIDE_QT, STRIDE_KT, STRIDE_VT)
+                        offs_v, T, STRIDE_QT, STRIDE_KT, STRIDE_VT, seq_len, r_qk, r_v, MASKED)
         async_copy.commit_group()
     async_copy.wait_group(0)
     return (b_s,)
@@ -429,10 +509,12 @@ def _tf32_state_partition(b_s, q_ring, k_ring, v_ring, st_buf, vt_buf, ready, st
 @gluon.jit
 def _tf32_output_partition(q_ring, k_ring, st_buf, vt_buf, ready, st_free, vt_free, ring_free, c_lo, c_hi,
                            base_o, s_log2, T: gl.constexpr, E: gl.constexpr, BE: gl.constexpr,
-                           mma_te: gl.constexpr, a_op: gl.constexpr):
+                           mma_te: gl.constexpr, a_op: gl.constexpr, STRIDE_OT: gl.constexpr,
+                           seq_len=0, MASKED: gl.constexpr = False):
     """Warp-specialised fp32 prefill, the output warpgroup (a worker partition):
     o = (q k^T * M) v + (q S) * lambda^(i+1) for each chunk, from the operands
-    the state warpgroup made (see _tf32_state_partition)."""
+    the state warpgroup made (see _tf32_state_partition); o rows STRIDE_OT
+    apart. MASKED (varlen): only the last chunk's rows before seq_len are stored."""
     mma_tt: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, T, 8])
     t_te = gl.arange(0, T, layout=gl.SliceLayout(1, mma_te))
@@ -462,7 +544,63 @@ def _tf32_output_partition(q_ring, k_ring, st_buf, vt_buf, ready, st_free, vt_fr
         acc_o = warpgroup_mma_wait(num_outstanding=0, deps=(acc_o, p))[0]
         gl.thread_barrier()
         mbarrier.arrive(vt_free.index(slot), count=1)
-        gl.store(base_o + (t_te + c * T)[:, None] * E + c_te[None, :], acc_o)
+        if MASKED and (c + 1) * T > seq_len:  # a partial chunk (varlen)
+            gl.store(base_o + (t_te + c * T)[:, None] * STRIDE_OT + c_te[None, :], acc_o,
+                     mask=(t_te < seq_len - c * T)[:, None])
+        else:
+            gl.store(base_o + (t_te + c * T)[:, None] * STRIDE_OT + c_te[None, :], acc_o)
+
+
+@gluon.constexpr_function
+def _tf32_layout(name, T, D, BE):
+    """The fp32 kernels' layouts (4 warps per partition), by name: ld_qk / ld_v
+    register layouts of the [T, D] / [T, BE] fp32 copies, ld_vt of v read back
+    4 tokens per thread (so that v^T is stored in 16-byte pieces; tile [8, 64]:
+    no warp holds a copy of another's part), mma_te of the [T, BE] wgmma
+    accumulator, a_op of a register A operand, sh_* the shared layouts of the
+    q/k, v, S^T and v^T tiles."""
+    mma_te = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BE, 8])
+    return dict(
+        ld_qk=lambda: gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0]),
+        ld_v=lambda: gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0]),
+        ld_vt=lambda: gl.BlockedLayout([4, 1], [1, 32], [2, 2], [0, 1]),
+        mma_te=lambda: mma_te,
+        a_op=lambda: gl.DotOperandLayout(operand_index=0, parent=mma_te, k_width=1),
+        sh_qk=lambda: gl.NVMMASharedLayout.get_default_for([T, D], gl.float32),
+        sh_v=lambda: gl.NVMMASharedLayout.get_default_for([T, BE], gl.float32),
+        sh_st=lambda: gl.NVMMASharedLayout.get_default_for([BE, D], gl.float32),
+        sh_vt=lambda: gl.NVMMASharedLayout.get_default_for([BE, T], gl.float32),
+    )[name]()
+
+
+@gluon.jit
+def _tf32_loop(b_s, q_ring, k_ring, v_ring, st_buf, vt_buf, c_lo, c_hi, kv_base, r_s, c_s, base_q, base_k,
+               base_v, base_o, offs_q, offs_k, offs_v, s_log2, chunk_decay, T: gl.constexpr, D: gl.constexpr,
+               E: gl.constexpr, BE: gl.constexpr, BLOCK_CHUNKS: gl.constexpr, STRIDE_QT: gl.constexpr,
+               STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr, STRIDE_OT: gl.constexpr,
+               ld_vt: gl.constexpr, a_op: gl.constexpr, mma_te: gl.constexpr, WS_REGS: gl.constexpr,
+               seq_len=0, r_qk=None, r_v=None, MASKED: gl.constexpr = False):
+    """The fp32 main loop over chunks [c_lo, c_hi): the state and output
+    warpgroups side by side (see the partitions); returns the end state."""
+    # one arrival completes each barrier's phase (see the partitions for who arrives)
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    vt_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ring_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    st_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    for j in gl.static_range(2):
+        mbarrier.init(ready.index(j), count=1)
+        mbarrier.init(vt_free.index(j), count=1)
+        mbarrier.init(ring_free.index(j), count=1)
+    mbarrier.init(st_free.index(0), count=1)
+    return gl.warp_specialize([
+        (_tf32_state_partition, (b_s, q_ring, k_ring, v_ring, st_buf, vt_buf, ready, st_free, vt_free,
+                                 ring_free, c_lo, c_hi, kv_base, r_s, c_s, base_q, base_k, base_v, offs_q,
+                                 offs_k, offs_v, s_log2, chunk_decay, T, D, E, BLOCK_CHUNKS, STRIDE_QT,
+                                 STRIDE_KT, STRIDE_VT, ld_vt, a_op, seq_len, r_qk, r_v, MASKED)),
+        (_tf32_output_partition, (q_ring, k_ring, st_buf, vt_buf, ready, st_free, vt_free, ring_free, c_lo,
+                                  c_hi, base_o, s_log2, T, E, BE, mma_te, a_op, STRIDE_OT, seq_len,
+                                  MASKED)),
+    ], [4], [WS_REGS])[0]
 
 
 @jit(gluon=True)
@@ -493,18 +631,15 @@ def _gluon_prefill_tf32_kernel(
     worker of WS_REGS registers per thread) run side by side, handing the
     ring slots and copies over through mbarriers. STAGES must be 2.
     """
-    ld_qk: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])   # [T, D] fp32 copies
-    ld_v: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])    # [T, BE] fp32 copies
-    # v read back 4 tokens per thread, so that v^T is stored in 16-byte pieces
-    # (tile [8, 64]: no warp holds a copy of another's part)
-    ld_vt: gl.constexpr = gl.BlockedLayout([4, 1], [1, 32], [2, 2], [0, 1])   # [T, BE]
-    mma_te: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, BE, 8])
-    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_te, k_width=1)
-    sh_qk: gl.constexpr = gl.NVMMASharedLayout.get_default_for([T, D], gl.float32)
-    sh_v: gl.constexpr = gl.NVMMASharedLayout.get_default_for([T, BE], gl.float32)
-    sh_st: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BE, D], gl.float32)
-    sh_vt: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BE, T], gl.float32)
+    ld_qk: gl.constexpr = _tf32_layout("ld_qk", T, D, BE)
+    ld_v: gl.constexpr = _tf32_layout("ld_v", T, D, BE)
+    ld_vt: gl.constexpr = _tf32_layout("ld_vt", T, D, BE)
+    mma_te: gl.constexpr = _tf32_layout("mma_te", T, D, BE)
+    a_op: gl.constexpr = _tf32_layout("a_op", T, D, BE)
+    sh_qk: gl.constexpr = _tf32_layout("sh_qk", T, D, BE)
+    sh_v: gl.constexpr = _tf32_layout("sh_v", T, D, BE)
+    sh_st: gl.constexpr = _tf32_layout("sh_st", T, D, BE)
+    sh_vt: gl.constexpr = _tf32_layout("sh_vt", T, D, BE)
     gl.static_assert(STAGES == 2, "the warp-specialised loop keeps a 2-deep load ring")
 
     num_segments = last_segment + 1
@@ -530,22 +665,185 @@ def _gluon_prefill_tf32_kernel(
                              per_seg, seg, num_segments, sync_ptr, pub_ptr, i_bh, e0, offs_s, T, D, E, BE,
                              STAGES, STRIDE_KT, STRIDE_VT, ld_vt, a_op, mma_te, True)
 
-    # one arrival completes each barrier's phase (see the partitions for who arrives)
-    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    vt_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ring_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    st_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    for j in gl.static_range(2):
-        mbarrier.init(ready.index(j), count=1)
-        mbarrier.init(vt_free.index(j), count=1)
-        mbarrier.init(ring_free.index(j), count=1)
-    mbarrier.init(st_free.index(0), count=1)
-    b_s = gl.warp_specialize([
-        (_tf32_state_partition, (b_s, q_ring, k_ring, v_ring, st_buf, vt_buf, ready, st_free, vt_free,
-                                 ring_free, c_lo, c_hi, kv_base, r_s, c_s, base_q, base_k, base_v, offs_q,
-                                 offs_k, offs_v, s_log2, chunk_decay, T, D, E, BLOCK_CHUNKS, STRIDE_QT,
-                                 STRIDE_KT, STRIDE_VT, ld_vt, a_op)),
-        (_tf32_output_partition, (q_ring, k_ring, st_buf, vt_buf, ready, st_free, vt_free, ring_free, c_lo,
-                                  c_hi, base_o, s_log2, T, E, BE, mma_te, a_op)),
-    ], [4], [WS_REGS])[0]
+    b_s = _tf32_loop(b_s, q_ring, k_ring, v_ring, st_buf, vt_buf, c_lo, c_hi, kv_base, r_s, c_s, base_q, base_k,
+                     base_v, base_o, offs_q, offs_k, offs_v, s_log2, chunk_decay, T, D, E, BE, BLOCK_CHUNKS,
+                     STRIDE_QT, STRIDE_KT, STRIDE_VT, E, ld_vt, a_op, mma_te, WS_REGS)
     _store_final(b_s, kv_base, offs_s, seg, num_segments, num_chunks, D, E, BLOCK_CHUNKS)
+
+
+# ---------------------------------------------------------------- varlen (packed sequences)
+@gluon.jit
+def _longest_first(cu_ptr, w, num_seqs, BP: gl.constexpr):
+    """The sequence of rank w with the sequences ordered longest first (ties:
+    lower index first), from cu_seqlens (BP >= num_seqs, a power of two): each
+    sequence's rank is the number of sequences ahead of it ([BP, BP] compares)."""
+    lay: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])
+    i = gl.arange(0, BP, layout=gl.SliceLayout(1, lay))
+    j = gl.arange(0, BP, layout=gl.SliceLayout(0, lay))
+    len_i = (gl.load(cu_ptr + i + 1, mask=i < num_seqs, other=0)
+             - gl.load(cu_ptr + i, mask=i < num_seqs, other=0))
+    len_j = (gl.load(cu_ptr + j + 1, mask=j < num_seqs, other=0)
+             - gl.load(cu_ptr + j, mask=j < num_seqs, other=0))
+    ahead = (len_j[None, :] > len_i[:, None]) | ((len_j[None, :] == len_i[:, None]) & (j[None, :] < i[:, None]))
+    rank = gl.sum((ahead & (j[None, :] < num_seqs)).to(gl.int32), axis=1)
+    return gl.sum(gl.where((rank == w) & (i < num_seqs), i, 0), axis=0)
+
+
+@gluon.jit
+def _varlen_program(cu_ptr, num_seqs, num_heads, decay_ptr, stride_decay, q_ptr, k_ptr, v_ptr, o_ptr,
+                    stride_qh, stride_kh, stride_vh, T: gl.constexpr, E: gl.constexpr, BE: gl.constexpr,
+                    ALIGN: gl.constexpr, STRIDE_QT: gl.constexpr, STRIDE_KT: gl.constexpr,
+                    STRIDE_VT: gl.constexpr, ORDER_B: gl.constexpr):
+    """This program's (sequence, h, E-tile): program w * H * N_E + r takes the
+    sequence of rank w (longest first when ORDER_B > 0, so that the longest
+    sequences start first and short ones fill the end of the grid; else
+    sequence w), head r // N_E, E-tile r % N_E. Returns the sequence index, its
+    length and chunk count, the head, e0, the decay rate and the q, k, v, o bases."""
+    N_E: gl.constexpr = E // BE
+    per_seq = num_heads * N_E
+    pid = gl.program_id(0)
+    w = pid // per_seq
+    r = pid % per_seq
+    if ORDER_B > 0:
+        i_b = _longest_first(cu_ptr, w, num_seqs, ORDER_B)
+    else:
+        i_b = w
+    seq_start = gl.load(cu_ptr + i_b).to(gl.int32)
+    seq_len = gl.load(cu_ptr + i_b + 1).to(gl.int32) - seq_start
+    i_h = (r // N_E).to(gl.int64)
+    e0 = (r % N_E) * BE
+    s = gl.load(decay_ptr + i_h * stride_decay)
+    s = gl.where(s > 1e30, 1e30, s)  # s = +inf (lambda = 0) without NaN: see kernels.py's NOTE
+    tok0 = seq_start.to(gl.int64)
+    base_q = q_ptr + (tok0 * STRIDE_QT + i_h * (stride_qh * ALIGN))
+    base_k = k_ptr + (tok0 * STRIDE_KT + i_h * (stride_kh * ALIGN))
+    base_v = v_ptr + (tok0 * STRIDE_VT + i_h * (stride_vh * ALIGN) + e0)
+    base_o = o_ptr + ((tok0 * num_heads + i_h) * E + e0)
+    return i_b, i_h, e0, s, seq_len, (seq_len + T - 1) // T, base_q, base_k, base_v, base_o
+
+
+@gluon.jit
+def _varlen_state(state_ptr, slot_ptr, i_b, i_h, e0, seq_len, num_heads, num_slots, stride_cs, stride_ch,
+                  STRIDE_CD: gl.constexpr, D: gl.constexpr, E: gl.constexpr, BE: gl.constexpr,
+                  ALIGN: gl.constexpr, HAS_CACHE: gl.constexpr, mma_te: gl.constexpr, b_s=None,
+                  STORE: gl.constexpr = False):
+    """A sequence's state in the MMA layout, read (STORE False: the starting
+    state) or written (STORE: its final state b_s). With the cache: slot
+    slot_idx[i_b]; -1 starts from zero and writes nothing, an id outside [-1,
+    num_slots) (device data nobody checked) starts from NaN and writes nothing,
+    and an empty sequence leaves its slot alone. Without: zero / states[i_b].
+    NOTE: the cache's row stride is a constexpr: as a runtime value the
+    state's offsets, the same expression at the start and at the end, were
+    kept live across the loop (sm_90 ptxas: 96 bytes/thread of spills)."""
+    r_s = gl.arange(0, D, layout=gl.SliceLayout(1, mma_te))
+    c_s = gl.arange(0, BE, layout=gl.SliceLayout(0, mma_te))
+    if HAS_CACHE:
+        slot = gl.load(slot_ptr + i_b).to(gl.int64)
+        valid = (slot >= 0) & (slot < num_slots)
+        offs = r_s[:, None] * STRIDE_CD + c_s[None, :]
+        p = state_ptr + (gl.where(valid, slot, 0) * (stride_cs * ALIGN) + i_h * (stride_ch * ALIGN) + e0)
+        if STORE:
+            gl.store(p + offs, b_s, mask=(offs >= 0) & (valid & (seq_len > 0)))
+        else:
+            b_s = gl.load(p + offs, mask=(offs >= 0) & valid, other=0.0)
+            b_s = gl.where((slot < -1) | (slot >= num_slots), float("nan"), b_s)
+    else:
+        if STORE:
+            p = state_ptr + ((i_b.to(gl.int64) * num_heads + i_h) * D * E + e0)
+            gl.store(p + r_s[:, None] * E + c_s[None, :], b_s)
+        else:
+            b_s = gl.zeros([D, BE], gl.float32, layout=mma_te)
+    return b_s
+
+
+@jit(gluon=True)
+def _gluon_varlen_kernel(
+    q_ptr, k_ptr, v_ptr, decay_ptr, cu_ptr, slot_ptr, cache_in_ptr,
+    num_heads, num_seqs, num_slots, stride_decay, stride_qh, stride_kh, stride_vh,
+    stride_cs, stride_ch,
+    o_ptr, state_ptr,
+    T: gl.constexpr, D: gl.constexpr, E: gl.constexpr, BE: gl.constexpr, STAGES: gl.constexpr,
+    HAS_CACHE: gl.constexpr, ORDER_B: gl.constexpr, ALIGN: gl.constexpr, STRIDE_QT: gl.constexpr,
+    STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr, STRIDE_OT: gl.constexpr, STRIDE_CD: gl.constexpr,
+):
+    """lightning_attention_varlen in bf16 (varlen_kernels.py's math, the Gluon
+    prefill's chunk loop): one program per (sequence, h, E-tile), 4 warps.
+
+    Tokens are packed ([T, H, *], token strides STRIDE_*T; o is [T, H, E]
+    contiguous, STRIDE_OT = H * E); sequence b is tokens [cu[b], cu[b + 1]).
+    Its chunks start at its first token; the last one may be partial (masked
+    loads, zero-filled, and that chunk's own decays: _bf16_chunks). state_ptr
+    is the cache (HAS_CACHE, read through cache_in_ptr, the same buffer) or
+    the final states [B, H, D, E] (see _varlen_state)."""
+    ld_qk: gl.constexpr = _bf16_layout("ld_qk", T, D, BE)
+    ld_v: gl.constexpr = _bf16_layout("ld_v", T, D, BE)
+    mma_tt: gl.constexpr = _bf16_layout("mma_tt", T, D, BE)
+    mma_te: gl.constexpr = _bf16_layout("mma_te", T, D, BE)
+    p_op: gl.constexpr = _bf16_layout("p_op", T, D, BE)
+    sh_qk: gl.constexpr = _bf16_layout("sh_qk", T, D, BE)
+    sh_v: gl.constexpr = _bf16_layout("sh_v", T, D, BE)
+    sh_s: gl.constexpr = _bf16_layout("sh_s", T, D, BE)
+    i_b, i_h, e0, s, seq_len, num_chunks, base_q, base_k, base_v, base_o = _varlen_program(
+        cu_ptr, num_seqs, num_heads, decay_ptr, stride_decay, q_ptr, k_ptr, v_ptr, o_ptr, stride_qh,
+        stride_kh, stride_vh, T, E, BE, ALIGN, STRIDE_QT, STRIDE_KT, STRIDE_VT, ORDER_B)
+
+    q_ring, k_ring, v_ring = _rings(gl.bfloat16, STAGES, T, D, BE, sh_qk, sh_v)
+    s_smem = gl.allocate_shared_memory(gl.bfloat16, [D, BE], sh_s)
+    vd_smem = gl.allocate_shared_memory(gl.bfloat16, [T, BE], sh_v)
+    offs_q, offs_k, offs_v, r_qk, r_v, c_v = _token_offsets(ld_qk, ld_v, T, D, BE, STRIDE_QT, STRIDE_KT,
+                                                            STRIDE_VT)
+    q_decay, k_decay, causal, chunk_decay = _bf16_decays(s, r_v, T, mma_tt, mma_te)
+    b_s = _varlen_state(cache_in_ptr, slot_ptr, i_b, i_h, e0, seq_len, num_heads, num_slots, stride_cs,
+                        stride_ch, STRIDE_CD, D, E, BE, ALIGN, HAS_CACHE, mma_te)
+    b_s = _bf16_chunks(b_s, q_ring, k_ring, v_ring, s_smem, vd_smem, 0, num_chunks, o_ptr, 0, base_q,
+                       base_k, base_v, base_o, offs_q, offs_k, offs_v, r_v[:, None] * STRIDE_OT + c_v[None, :],
+                       q_decay, k_decay, causal, chunk_decay, T, D, E, BE, STAGES, 0,
+                       STRIDE_QT, STRIDE_KT, STRIDE_VT, STRIDE_OT, ld_v, mma_tt, mma_te, p_op,
+                       seq_len, s, r_qk, r_v, True)
+    _varlen_state(state_ptr, slot_ptr, i_b, i_h, e0, seq_len, num_heads, num_slots, stride_cs, stride_ch,
+                  STRIDE_CD, D, E, BE, ALIGN, HAS_CACHE, mma_te, b_s, True)
+
+
+@jit(gluon=True)
+def _gluon_varlen_tf32_kernel(
+    q_ptr, k_ptr, v_ptr, decay_ptr, cu_ptr, slot_ptr, cache_in_ptr,
+    num_heads, num_seqs, num_slots, stride_decay, stride_qh, stride_kh, stride_vh,
+    stride_cs, stride_ch,
+    o_ptr, state_ptr,
+    T: gl.constexpr, D: gl.constexpr, E: gl.constexpr, BE: gl.constexpr, STAGES: gl.constexpr,
+    HAS_CACHE: gl.constexpr, ORDER_B: gl.constexpr, ALIGN: gl.constexpr, STRIDE_QT: gl.constexpr,
+    STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr, STRIDE_OT: gl.constexpr, STRIDE_CD: gl.constexpr,
+    WS_REGS: gl.constexpr,
+):
+    """_gluon_varlen_kernel for fp32 inputs: the warp-specialised tf32 loop of
+    _gluon_prefill_tf32_kernel, masked as the bf16 one. STAGES must be 2."""
+    ld_qk: gl.constexpr = _tf32_layout("ld_qk", T, D, BE)
+    ld_v: gl.constexpr = _tf32_layout("ld_v", T, D, BE)
+    ld_vt: gl.constexpr = _tf32_layout("ld_vt", T, D, BE)
+    mma_te: gl.constexpr = _tf32_layout("mma_te", T, D, BE)
+    a_op: gl.constexpr = _tf32_layout("a_op", T, D, BE)
+    sh_qk: gl.constexpr = _tf32_layout("sh_qk", T, D, BE)
+    sh_v: gl.constexpr = _tf32_layout("sh_v", T, D, BE)
+    sh_st: gl.constexpr = _tf32_layout("sh_st", T, D, BE)
+    sh_vt: gl.constexpr = _tf32_layout("sh_vt", T, D, BE)
+    gl.static_assert(STAGES == 2, "the warp-specialised loop keeps a 2-deep load ring")
+    i_b, i_h, e0, s, seq_len, num_chunks, base_q, base_k, base_v, base_o = _varlen_program(
+        cu_ptr, num_seqs, num_heads, decay_ptr, stride_decay, q_ptr, k_ptr, v_ptr, o_ptr, stride_qh,
+        stride_kh, stride_vh, T, E, BE, ALIGN, STRIDE_QT, STRIDE_KT, STRIDE_VT, ORDER_B)
+
+    q_ring, k_ring, v_ring = _rings(gl.float32, STAGES, T, D, BE, sh_qk, sh_v)
+    st_buf = gl.allocate_shared_memory(gl.float32, [1, BE, D], sh_st)
+    vt_buf = gl.allocate_shared_memory(gl.float32, [2, BE, T], sh_vt)
+    offs_q, offs_k, offs_v, r_qk, r_v, c_v = _token_offsets(ld_qk, ld_v, T, D, BE, STRIDE_QT, STRIDE_KT,
+                                                            STRIDE_VT)
+    s_log2 = -s * 1.4426950408889634  # lambda^x = 2^(x * s_log2)
+    r_s = gl.arange(0, D, layout=gl.SliceLayout(1, mma_te))
+    c_s = gl.arange(0, BE, layout=gl.SliceLayout(0, mma_te))
+    b_s = _varlen_state(cache_in_ptr, slot_ptr, i_b, i_h, e0, seq_len, num_heads, num_slots, stride_cs,
+                        stride_ch, STRIDE_CD, D, E, BE, ALIGN, HAS_CACHE, mma_te)
+    b_s = _tf32_loop(b_s, q_ring, k_ring, v_ring, st_buf, vt_buf, 0, num_chunks, o_ptr, r_s, c_s, base_q,
+                     base_k, base_v, base_o, offs_q, offs_k, offs_v, s_log2, gl.exp(-s * T), T, D, E, BE, 0,
+                     STRIDE_QT, STRIDE_KT, STRIDE_VT, STRIDE_OT, ld_vt, a_op, mma_te, WS_REGS,
+                     seq_len, r_qk, r_v, True)
+    _varlen_state(state_ptr, slot_ptr, i_b, i_h, e0, seq_len, num_heads, num_slots, stride_cs, stride_ch,
+                  STRIDE_CD, D, E, BE, ALIGN, HAS_CACHE, mma_te, b_s, True)

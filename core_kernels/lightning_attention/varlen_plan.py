@@ -14,11 +14,11 @@ import numpy as np
 
 from .._plan import (FLOAT_DTYPES, INT_DTYPES, ArrayInfo, Buffer, Launch, Plan, Scalar, cdiv,
                      check_config, check_dtype, check_inner_contiguous, check_ndim, check_shape,
-                     config_class, memoize, next_pow2, row_major_strides)
+                     config_class, memoize, next_pow2, pow2_divisor, row_major_strides)
 from .._target import Target
-from .plan import (BLOCK_E, BLOCK_T, DEFAULT_DOT_PRECISION, DOT_PRECISIONS, MIN_SEGMENT_CHUNKS,
-                   NUM_STAGES, NUM_WARPS, SEGMENT_WAVES, _aligned, _check_decay, _check_head,
-                   _full_wave)
+from .plan import (BLOCK_E, BLOCK_T, DEFAULT_DOT_PRECISION, DOT_PRECISIONS, GLUON_BE, GLUON_STAGES,
+                   GLUON_STAGES_MANY, GLUON_T, GLUON_TF32_WS_REGS, MIN_SEGMENT_CHUNKS, NUM_STAGES,
+                   NUM_WARPS, SEGMENT_WAVES, _aligned, _check_decay, _check_head, _full_wave)
 from .varlen_kernels import _lightning_varlen_kernel
 
 
@@ -42,6 +42,18 @@ class LightningVarlenConfig:
             raise ValueError(f"dot_precision: expected one of {DOT_PRECISIONS}, got {self.dot_precision!r}")
         if self.segment_len is not None and (isinstance(self.segment_len, bool) or self.segment_len < 0):
             raise ValueError(f"segment_len: expected an int >= 0 (0: no split), got {self.segment_len!r}")
+
+
+@config_class
+class LightningVarlenGluonConfig:
+    """The Gluon varlen kernels (gluon_kernels._gluon_varlen_kernel, bf16, and
+    _gluon_varlen_tf32_kernel, fp32 with tf32 products): one program per
+    (sequence, head, 64-column E-tile), sequences never cut; passing one forces
+    them (ValueError where they do not apply). None fields are the planner's
+    choice. stages: load ring depth (fp32 needs 2); longest_first: programs
+    take the sequences longest first (at most LONGEST_FIRST_MAX sequences)."""
+    stages: int | None = None
+    longest_first: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,13 +83,16 @@ class _Varlen:
     def results(self) -> tuple:
         return ("output", "kv_cache" if self.has_cache else "states")
 
-    def buffers(self, items: int = 0, per_item: int = 0, segmented: bool = False) -> dict:
+    def buffers(self, items: int = 0, per_item: int = 0, segmented: bool = False,
+                launched: bool | None = None) -> dict:
         """output, the final states (without a cache) and, when segmented, the
         published item end states [items, H, D, E] and the ticket counter + one
-        ready flag per program (zeroed)."""
+        ready flag per program (zeroed). launched: whether a launch writes the
+        states (default: when there are items)."""
         out = {"output": Buffer((self.t, self.h, self.e), self.dtype)}
         if not self.has_cache:  # zeroed only for a plan without launches (T = 0)
-            out["states"] = Buffer((self.b, self.h, self.d, self.e), "float32", zero_init=items == 0)
+            launched = bool(items) if launched is None else launched
+            out["states"] = Buffer((self.b, self.h, self.d, self.e), "float32", zero_init=not launched)
         if items:
             out["seg_state"] = Buffer((items, self.h, self.d, self.e) if segmented else (1,), "float32")
             out["sync"] = Buffer((1 + items * per_item,) if segmented else (1,), "int32", zero_init=segmented)
@@ -102,12 +117,19 @@ def plan_lightning_attention_varlen(
     Results: "output" [T, H, E] (q's dtype) and "kv_cache" (updated at the named
     slots, every other element untouched) or "states" [B, H, D, E] fp32 (each
     sequence's final state). block_size is validated and otherwise unused: only
-    final states are returned. ``config`` overrides the tiling and segmentation.
+    final states are returned.
+
+    Kernels: the Gluon varlen kernels where they apply (_gluon_varlen_unfit)
+    and the sequences fill the GPU without cuts, else the Triton kernel.
+    ``config``: a LightningVarlenConfig forces the Triton kernel (and overrides
+    its tiling and segmentation), a LightningVarlenGluonConfig the Gluon ones.
     """
-    check_config(config, (LightningVarlenConfig,))
+    check_config(config, (LightningVarlenConfig, LightningVarlenGluonConfig))
     p = _validate(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size)
     if p.b == 0 or p.h == 0 or p.t == 0:  # nothing to compute: states are zero or the cache's
         return Plan(p.buffers(), (), p.results)
+    if _use_gluon(target, p, config):
+        return _gluon_launch(p, _gluon_config(target, p, config))
     c = _config(target, p, config)
     return _launch(target, p, c)
 
@@ -191,6 +213,16 @@ def _config(target: Target, p: _Varlen, override) -> LightningVarlenConfig:
                                  o.num_stages or NUM_STAGES[p.dtype], seg, o.dot_precision)
 
 
+def _sequence_params(p: _Varlen) -> dict:
+    """The launch parameters both varlen kernels share: tokens, decay, the
+    sequences and the cache (dummies when absent, never read)."""
+    return dict(q_ptr="q", k_ptr="k", v_ptr="v", decay_ptr="ed", cu_ptr="cu_seqlens",
+                slot_ptr="slot_idx" if p.has_cache else "cu_seqlens",
+                cache_in_ptr="kv_cache" if p.has_cache else "ed",
+                num_heads=Scalar(p.h), num_seqs=Scalar(p.b),
+                num_slots=Scalar(p.kv_cache.shape[0] if p.has_cache else 0))
+
+
 def _launch(target: Target, p: _Varlen, c: LightningVarlenConfig) -> Plan:
     n_e = cdiv(p.e, c.block_e)
     per_item = p.h * n_e
@@ -205,12 +237,7 @@ def _launch(target: Target, p: _Varlen, c: LightningVarlenConfig) -> Plan:
     launch = Launch(
         kernel=_lightning_varlen_kernel, grid=(items * per_item,),
         params=dict(
-            q_ptr="q", k_ptr="k", v_ptr="v", decay_ptr="ed", cu_ptr="cu_seqlens",
-            # dummies when absent (never read)
-            slot_ptr="slot_idx" if p.has_cache else "cu_seqlens",
-            cache_in_ptr="kv_cache" if p.has_cache else "ed",
-            num_heads=Scalar(p.h), num_seqs=Scalar(p.b),
-            num_slots=Scalar(p.kv_cache.shape[0] if p.has_cache else 0),
+            **_sequence_params(p),
             head_k=Scalar(p.d), head_v=Scalar(p.e), seg_len=Scalar(c.segment_len if segmented else 0),
             search_steps=Scalar(p.b.bit_length()), stride_decay=Scalar(p.ed.strides[0]),
             **_aligned("stride_qt stride_qh", p.q.strides[:2]),
@@ -235,11 +262,97 @@ def _launch(target: Target, p: _Varlen, c: LightningVarlenConfig) -> Plan:
     return Plan(p.buffers(items, per_item, segmented), (launch,), p.results)
 
 
+# ---------------------------------------------------------------- Gluon varlen kernels
+# NOTE (2026-11-24, not yet measured when written; see benchmarks/RESULTS.md for
+# the measurement): the Triton varlen kernel runs the Triton prefill's chunk
+# step, which is latency-bound on Hopper (plan.py's Gluon NOTE: 108.9 vs 87.0 us
+# for the single-sequence bf16 prefill, 421.7 vs 194.9 us fp32). The Gluon
+# varlen kernels run the Gluon prefill's chunk loops per sequence; only the
+# last chunk of a sequence may be partial (masked loads and stores, its own
+# decays). They do not cut sequences: where cuts are wanted (few sequences and
+# heads) the Triton kernel's chained scan runs.
+# Longest first: one sequence's programs (H x E-tiles, 128 at H 64) spread
+# over the whole GPU, so a long sequence whose programs start last ends last.
+# In the issue-22 batch (16 sequences of 256-8192 tokens) the second 8192-token
+# sequence is the 15th: in index order its programs start after ~78% of the
+# work and end ~10% after the rest. Programs taking sequences longest first
+# start the long ones at once and end on short ones.
+LONGEST_FIRST_MAX = 64
+
+
+def _gluon_unfit(target: Target, p: _Varlen) -> str | None:
+    """Why the Gluon varlen kernels do not apply to ``p`` on ``target`` (None: they do)."""
+    if not (target.gluon and target.hopper and not target.interpret):
+        return f"the target {target} has no Gluon kernels (an sm_90 GPU with Gluon support)"
+    if p.dtype not in ("bfloat16", "float32"):
+        return f"dtype {p.dtype} (bf16 or fp32 only)"
+    if p.d != 128 or p.e % GLUON_BE:
+        return f"D={p.d}, E={p.e} (D = 128, E a multiple of {GLUON_BE})"
+    elems = 16 // (4 if p.dtype == "float32" else 2)
+    if pow2_divisor(*(x.strides[i] for x in (p.q, p.k, p.v) for i in (0, 1))) < elems:
+        return "q/k/v token or head rows not 16-byte aligned (their copies are 16 bytes wide)"
+    if not p.offs_32:
+        return "token offsets beyond int32"
+    return None
+
+
+def _use_gluon(target: Target, p: _Varlen, config) -> bool:
+    """The Gluon kernels where they apply and no sequence needs cutting, unless
+    ``config`` picks the kernel."""
+    if isinstance(config, LightningVarlenConfig):
+        return False
+    unfit = _gluon_unfit(target, p)
+    if isinstance(config, LightningVarlenGluonConfig):
+        if unfit:
+            raise ValueError(f"config: LightningVarlenGluonConfig does not apply here: {unfit}")
+        return True
+    return unfit is None and _segment_len(target, p, p.h * (p.e // GLUON_BE), GLUON_T) == 0
+
+
+def _gluon_config(target: Target, p: _Varlen, override) -> LightningVarlenGluonConfig:
+    o = override or LightningVarlenGluonConfig()
+    programs = p.b * p.h * (p.e // GLUON_BE)
+    stages = o.stages or (GLUON_STAGES_MANY if programs > target.num_sms else GLUON_STAGES)[p.dtype]
+    if p.dtype == "float32" and stages != 2:
+        raise ValueError(f"config: stages={stages}; the fp32 Gluon kernel keeps a 2-deep load ring")
+    if stages < 2:
+        raise ValueError(f"config: stages={stages}; at least 2")
+    longest = o.longest_first if o.longest_first is not None else 1 < p.b <= LONGEST_FIRST_MAX
+    if longest and p.b > LONGEST_FIRST_MAX:
+        raise ValueError(f"config: longest_first for {p.b} sequences (at most {LONGEST_FIRST_MAX})")
+    return LightningVarlenGluonConfig(stages, bool(longest))
+
+
+def _gluon_launch(p: _Varlen, c: LightningVarlenGluonConfig) -> Plan:
+    from .gluon_kernels import _gluon_varlen_kernel, _gluon_varlen_tf32_kernel
+    fp32 = p.dtype == "float32"
+    per_seq = p.h * (p.e // GLUON_BE)
+    state = p.kv_cache.strides[:3] if p.has_cache else (0, 0, p.e)
+    launch = Launch(
+        kernel=_gluon_varlen_tf32_kernel if fp32 else _gluon_varlen_kernel, grid=(p.b * per_seq,),
+        params=dict(
+            **_sequence_params(p),
+            stride_decay=Scalar(p.ed.strides[0]),
+            **_aligned("stride_qh stride_kh stride_vh", (p.q.strides[1], p.k.strides[1], p.v.strides[1])),
+            **_aligned("stride_cs stride_ch", state[:2]),
+            o_ptr="output", state_ptr="kv_cache" if p.has_cache else "states"),
+        writes=("o_ptr", "state_ptr"),
+        constexprs=dict(T=GLUON_T, D=p.d, E=p.e, BE=GLUON_BE, STAGES=c.stages, HAS_CACHE=p.has_cache,
+                        ORDER_B=next_pow2(p.b) if c.longest_first else 0,
+                        STRIDE_QT=p.q.strides[0], STRIDE_KT=p.k.strides[0], STRIDE_VT=p.v.strides[0],
+                        STRIDE_OT=p.h * p.e, STRIDE_CD=state[2], **(dict(WS_REGS=GLUON_TF32_WS_REGS) if fp32 else {})),
+        # fp32: 4 warps compile the kernel; its worker partition adds 4 more at launch
+        num_warps=4, num_stages=1)
+    return Plan(p.buffers(launched=True), (launch,), p.results)
+
+
 def varlen_work_items(plan: Plan) -> int:
     """The number of work items of a varlen plan (its grid over programs per item)."""
     if not plan.launches:
         return 0
     launch = plan.launches[0]
+    if "N_E" not in launch.constexprs:  # the Gluon kernels: one item per sequence
+        return launch.params["num_seqs"].value
     return launch.grid[0] // (launch.params["num_heads"].value * launch.constexprs["N_E"])
 
 

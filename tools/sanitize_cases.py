@@ -554,13 +554,13 @@ def cases():
     C["varlen/bf16_masked_split"] = gpu_only(lambda s, g: varlen(
         s, g, dtype="bfloat16", config=V(segment_len=16)))
     # the Gluon kernels: D 128, the last sequence's partial chunk ends at q's end
-    G = LightningVarlenGluonConfig
+    VG = LightningVarlenGluonConfig
     C["varlen/gluon_bf16_cache"] = gpu_only(lambda s, g: varlen(
-        s, g, lens=(0, 37, 64, 0, 65), dtype="bfloat16", d=128, e=128, cache=True, config=G()))
+        s, g, lens=(0, 37, 64, 0, 65), dtype="bfloat16", d=128, e=128, cache=True, config=VG()))
     C["varlen/gluon_fp32_states"] = gpu_only(lambda s, g: varlen(
-        s, g, lens=(0, 37, 64, 0, 65), d=128, e=128, config=G(longest_first=False)))
+        s, g, lens=(0, 37, 64, 0, 65), d=128, e=128, config=VG(longest_first=False)))
     C["varlen/gluon_fp32_cache"] = gpu_only(lambda s, g: varlen(
-        s, g, lens=(1, 130, 0, 63, 5), d=128, e=64, cache=True, config=G()))
+        s, g, lens=(1, 130, 0, 63, 5), d=128, e=64, cache=True, config=VG()))
     # blocksparse_flash_attn_varlen_fwd
     P = BlocksparsePrefillConfig
     C["blocksparse/prefill_per_head"] = lambda s, g: blocksparse(s, g, mode="prefill", config=P(16, 16))

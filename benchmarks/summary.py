@@ -57,6 +57,9 @@ OPS = {
     "composability": dict(
         case=("case", "what"), time=("us",), metric=(),  # timings only, no rate
         baseline=("row", None, "ratio")),
+    "host_overhead": dict(  # host time per call (us), not GPU time
+        case=("name",), time=("torch_us",), metric=(("x_triton", "host time / plain Triton launch's"),),
+        baseline=("column", "plain Triton launch (host time)", "triton_us")),
     "lightning_attention": dict(
         case=("name",), time=("us",), metric=(("TB/s", "TB/s"),),
         baseline=("row", None, "vs_baseline")),

@@ -51,6 +51,9 @@ class Buffer:
     shape: tuple[int, ...]
     dtype: str
     zero_init: bool = False  # executor fills with zeros before the first launch
+    # no launch reads or writes it: it stands in for a pointer the launches leave
+    # alone (an executor may pass any tensor of the dtype, e.g. one shared one)
+    placeholder: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

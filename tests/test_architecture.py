@@ -340,3 +340,37 @@ def test_torch_cpu_calls_from_threads():
         t.join()
     for got, want in zip(results, expected):
         assert got is not None and torch.equal(got, want)
+
+
+def test_placeholder_buffers_only_where_no_launch_touches_them():
+    """Buffer.placeholder marks stand-ins for pointers a plan's launches leave
+    alone (the torch executor passes one shared tensor instead of allocating):
+    the unsegmented chained-scan scratch, one-split decode partials; never a
+    buffer the launches use."""
+    from core_kernels.blocksparse_attention import build_sparse_layout, plan_blocksparse_attention
+    from core_kernels.lightning_attention import (LightningTritonConfig, LightningVarlenConfig,
+                                                  plan_lightning_attention, plan_lightning_attention_varlen)
+    h200 = Target("cuda", 90, 132, gluon=True)
+    ed = ArrayInfo.contiguous((64,), "float32")
+    q = ArrayInfo.contiguous((4, 64, 1024, 128), "bfloat16")
+    for config in (None, LightningTritonConfig()):            # one segment: both stand-ins
+        plan = plan_lightning_attention(h200, q, q, q, ed, config=config)
+        assert plan.buffers["seg_state"].placeholder and plan.buffers["sync"].placeholder
+    few = ArrayInfo.contiguous((1, 8, 65536, 128), "bfloat16")  # chained scan: both used
+    for config in (None, LightningTritonConfig()):
+        plan = plan_lightning_attention(h200, few, few, few, ArrayInfo.contiguous((8,), "float32"),
+                                        config=config, output_final_state_only=True)
+        assert not plan.buffers["sync"].placeholder and not plan.buffers["seg_state"].placeholder
+    t = ArrayInfo.contiguous((5000, 64, 128), "bfloat16")
+    cu = ArrayInfo.contiguous((17,), "int32")
+    whole = plan_lightning_attention_varlen(h200, t, t, t, ed, cu, config=LightningVarlenConfig(segment_len=0))
+    cut = plan_lightning_attention_varlen(h200, t, t, t, ed, cu, config=LightningVarlenConfig(segment_len=512))
+    assert whole.buffers["sync"].placeholder and not cut.buffers["sync"].placeholder
+    assert not any(b.placeholder for n, b in whole.buffers.items() if n in whole.results)
+    (crow, col), _ = build_sparse_layout(32, 4096, 64, 16, 8, False)
+    args = [ArrayInfo.contiguous(s, d) for s, d in (((1, 32, 128), "bfloat16"), ((4096, 8, 128), "bfloat16"),
+                                                   ((4096, 8, 128), "bfloat16"), ((2,), "int32"))]
+    layout = [ArrayInfo.contiguous(crow.shape, "int32"), ArrayInfo.contiguous(col.shape, "int32")]
+    dec = plan_blocksparse_attention(h200, *args, None, *layout, block_size=64, max_seqlen=4096)
+    part = dec.buffers["partials"]
+    assert part.placeholder == (part.shape == (1,))

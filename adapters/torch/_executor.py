@@ -122,43 +122,102 @@ def run_plan(plan: Plan, tensors: dict, runtime: dict | None = None,
     if device is None:
         device = next(t.device for t in tensors.values() if isinstance(t, torch.Tensor))
     for name, buf in plan.buffers.items():
+        if buf.placeholder and device.type == "cuda":
+            env[name] = _placeholder(device, buf.dtype)
+            continue
         alloc = torch.zeros if buf.zero_init else torch.empty
         env[name] = alloc(buf.shape, dtype=TORCH_DTYPES[buf.dtype], device=device)
     interpret = device.type == "cpu"
-    switch = not interpret and device.index is not None and device.index != torch.cuda.current_device()
-    for launch in plan.launches:
-        args = [(runtime[a.value] if isinstance(a.value, str) else a.value)
-                if isinstance(a, Scalar) else env[a] for a in launch.args]
-        args += [env[o] for o in launch.outputs]
-        if interpret:
+    if interpret:
+        for launch in plan.launches:
             with INTERPRETER_LOCK:  # the interpreter is not thread-safe (core_kernels._interpret)
-                interpreted(launch.kernel)[launch.grid](*args, **launch.constexprs)
-        elif switch:
+                interpreted(launch.kernel)[launch.grid](*_tensor_args(launch, env, runtime),
+                                                       **launch.constexprs)
+        return env
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    switch = index != torch.cuda.current_device()
+    for launch, recipe in zip(plan.launches, _recipes(plan)):
+        if switch:
             with torch.cuda.device(device):
-                _launch(launch, args, device.index)
+                _launch(launch, recipe, env, runtime, index)
         else:
-            _launch(launch, args, device.index)
+            _launch(launch, recipe, env, runtime, index)
     return env
 
 
-# Compiled kernels by (launch, specialisation key): a cached plan's launch
-# goes straight to the compiled kernel's launcher, skipping JITFunction.run's
-# argument binding and cache-key hashing (the bulk of a Triton launch's host time).
+def _tensor_args(launch, env, runtime) -> list:
+    """A launch's arguments as Triton's launch takes them: tensors and scalars, in order."""
+    args = [(runtime[a.value] if isinstance(a.value, str) else a.value)
+            if isinstance(a, Scalar) else env[a] for a in launch.args]
+    return args + [env[o] for o in launch.outputs]
+
+
+# Placeholder buffers (Buffer.placeholder: no launch reads or writes them) share
+# one small tensor per (device, dtype) instead of an allocation per call.
+_PLACEHOLDERS = {}
+
+
+def _placeholder(device, dtype: str) -> torch.Tensor:
+    key = (device, dtype)
+    t = _PLACEHOLDERS.get(key)
+    if t is None:
+        t = _PLACEHOLDERS[key] = torch.zeros(16, dtype=TORCH_DTYPES[dtype], device=device)
+    return t
+
+
+class _Recipe:
+    """A launch's arguments as positions: the buffer names of its pointers, the
+    runtime names of its per-call scalars, and a template with the plan-time
+    scalars in place."""
+    __slots__ = ("ptr_pos", "ptr_names", "rt_pos", "rt_names", "template")
+
+    def __init__(self, launch):
+        self.ptr_pos, self.ptr_names, self.rt_pos, self.rt_names, self.template = [], [], [], [], []
+        for i, a in enumerate(list(launch.args) + list(launch.outputs)):
+            if isinstance(a, Scalar):
+                if isinstance(a.value, str):
+                    self.rt_pos.append(i)
+                    self.rt_names.append(a.value)
+                self.template.append(None if isinstance(a.value, str) else a.value)
+            else:
+                self.ptr_pos.append(i)
+                self.ptr_names.append(a)
+                self.template.append(None)
+
+
+# Recipes by plan (plans are cached, so few): id -> (plan, recipes); the plan is
+# kept so that its id cannot be reused while the entry lives.
+_RECIPES = {}
+
+
+def _recipes(plan) -> list:
+    hit = _RECIPES.get(id(plan))
+    if hit is None or hit[0] is not plan:
+        if len(_RECIPES) >= _PLANS_MAX:
+            _RECIPES.clear()
+        hit = _RECIPES[id(plan)] = (plan, [_Recipe(launch) for launch in plan.launches])
+    return hit[1]
+
+
+# Compiled kernels by (launch, device, specialisation): a cached plan's launch
+# goes straight to the compiled kernel's C launcher, skipping JITFunction.run's
+# argument binding and cache-key hashing (the bulk of a Triton launch's host time),
+# with the pointers passed as integers: the launcher then neither calls data_ptr()
+# nor asks the driver about each pointer (cuPointerGetAttribute); the devices
+# were checked when the plan was made.
 _COMPILED = {}
 _FAST_PATH = True
 
 
-def _spec_key(launch, args, device_index):
+def _spec_key(launch, device_index, ptrs, rts):
     """What Triton specialises on that can change between calls of one plan:
     pointer alignment, and runtime integers equal to 1 or past int32 (never their
     divisibility: the integer policy of core_kernels._triton_utils.jit)."""
-    key = []
-    for a, arg in zip(launch.args + launch.outputs, args):
-        if isinstance(arg, torch.Tensor):
-            key.append(arg.data_ptr() % 16 == 0)
-        elif isinstance(a, Scalar) and isinstance(a.value, str):
-            key.append((arg == 1, -2 ** 31 <= arg < 2 ** 31) if isinstance(arg, int) else None)
-    return launch, device_index, tuple(key)
+    return (launch, device_index, tuple(p & 15 == 0 for p in ptrs),
+            tuple((v == 1, -2 ** 31 <= v < 2 ** 31) if isinstance(v, int) else None for v in rts))
+
+
+_KNOBS = None
 
 
 def _hooks_set() -> bool:
@@ -166,31 +225,63 @@ def _hooks_set() -> bool:
     them as HookChain objects that are never None, empty when unused; comparing
     with None had disabled the fast path below on every launch (H200: 67 us of
     host time per decode call instead of ~7 us)."""
-    import triton
-    hooks = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
-    return any(h is not None and bool(getattr(h, "calls", True)) for h in hooks)
+    global _KNOBS
+    if _KNOBS is None:
+        import triton
+        _KNOBS = triton.knobs.runtime
+    return any(h is not None and bool(getattr(h, "calls", True))
+               for h in (_KNOBS.launch_enter_hook, _KNOBS.launch_exit_hook))
 
 
-def _launch(launch, args, device_index):
+class _Compiled:
+    """A compiled kernel's launcher with its fixed arguments. ``raw``: the C
+    launch function itself, where the kernel needs no scratch allocation (else
+    the launcher object, which allocates it)."""
+    __slots__ = ("run", "raw", "function", "meta", "grid", "constexprs", "coop", "pdl")
+
+    def __init__(self, compiled, grid, constexprs):
+        run = compiled.run
+        self.run, self.function, self.meta = run, compiled.function, compiled.packed_metadata
+        self.grid, self.constexprs = grid, constexprs
+        no_scratch = not getattr(run, "global_scratch_size", 1) and not getattr(run, "profile_scratch_size", 1)
+        self.raw = getattr(run, "launch", None) if no_scratch else None
+        self.coop = getattr(run, "launch_cooperative_grid", False)
+        self.pdl = getattr(run, "launch_pdl", False)
+
+    def __call__(self, stream, args):
+        g = self.grid
+        if self.raw is not None:
+            self.raw(g[0], g[1], g[2], stream, self.function, self.coop, self.pdl, None, None, self.meta,
+                     None, None, None, *args, *self.constexprs)
+        else:
+            self.run(g[0], g[1], g[2], stream, self.function, self.meta, None, None, None, *args,
+                     *self.constexprs)
+
+
+def _launch(launch, recipe, env, runtime, device_index):
     global _FAST_PATH
-    key = _spec_key(launch, args, device_index) if _FAST_PATH else None
-    entry = _COMPILED.get(key) if _FAST_PATH and not _hooks_set() else None
-    if entry is not None:
-        compiled, grid, constexprs = entry
-        stream = torch._C._cuda_getCurrentRawStream(device_index if device_index is not None
-                                                    else torch.cuda.current_device())
-        compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
-                     None, None, None, *args, *constexprs)
-        return
-    compiled = launch.kernel[launch.grid](*args, **launch.constexprs,
+    if _FAST_PATH:
+        ptrs = [env[n].data_ptr() for n in recipe.ptr_names]
+        rts = [runtime[n] for n in recipe.rt_names]
+        key = _spec_key(launch, device_index, ptrs, rts)
+        entry = _COMPILED.get(key)
+        if entry is not None and not _hooks_set():
+            args = list(recipe.template)
+            for i, p in zip(recipe.ptr_pos, ptrs):
+                args[i] = p
+            for i, v in zip(recipe.rt_pos, rts):
+                args[i] = v
+            entry(torch._C._cuda_getCurrentRawStream(device_index), args)
+            return
+    compiled = launch.kernel[launch.grid](*_tensor_args(launch, env, runtime), **launch.constexprs,
                                           num_warps=launch.num_warps, num_stages=launch.num_stages)
+    if not _FAST_PATH or _hooks_set():
+        return  # the regular path calls the hooks
     try:
         if not hasattr(compiled, "packed_metadata"):
             raise AttributeError("unknown launcher")
-        if _hooks_set():
-            return  # the regular path calls the hooks
-        names = launch.kernel.arg_names[len(args):]
+        names = launch.kernel.arg_names[len(launch.args) + len(launch.outputs):]
         grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
-        _COMPILED[key] = (compiled, grid, tuple(launch.constexprs[n] for n in names))
+        _COMPILED[key] = _Compiled(compiled, grid, tuple(launch.constexprs[n] for n in names))
     except (AttributeError, KeyError):
         _FAST_PATH = False  # another Triton version: always take the regular path

@@ -434,7 +434,7 @@ def _partials(p: _Problem, splits: int, buffers: dict) -> int:
     the output directly; the scratch is then a 1-element dummy."""
     lse_offset = p.b * p.hq * splits * p.d
     buffers["partials"] = Buffer((lse_offset + p.b * p.hq * splits,) if splits > 1 else (1,),
-                                 "float32")
+                                 "float32", placeholder=splits <= 1)
     return lse_offset
 
 

@@ -175,8 +175,10 @@ class _Prefill:
                "kv": Buffer(self.kv_shape, "float32")}
         if seg_state is not None:
             sync = (1 + segments * programs,) if segments > 1 else (1,)
-            out.update(seg_state=Buffer(seg_state, "float32"),
-                       sync=Buffer(sync, "int32", zero_init=segments > 1))
+            # unsegmented, both are placeholders (a kernel touches neither); so is
+            # seg_state when the segments publish into kv: a (1,) stand-in
+            out.update(seg_state=Buffer(seg_state, "float32", placeholder=seg_state == (1,)),
+                       sync=Buffer(sync, "int32", zero_init=segments > 1, placeholder=segments == 1))
         return out
 
 

@@ -94,8 +94,10 @@ class _Varlen:
             launched = bool(items) if launched is None else launched
             out["states"] = Buffer((self.b, self.h, self.d, self.e), "float32", zero_init=not launched)
         if items:
-            out["seg_state"] = Buffer((items, self.h, self.d, self.e) if segmented else (1,), "float32")
-            out["sync"] = Buffer((1 + items * per_item,) if segmented else (1,), "int32", zero_init=segmented)
+            out["seg_state"] = Buffer((items, self.h, self.d, self.e) if segmented else (1,), "float32",
+                                      placeholder=not segmented)
+            out["sync"] = Buffer((1 + items * per_item,) if segmented else (1,), "int32", zero_init=segmented,
+                                 placeholder=not segmented)
         return out
 
 

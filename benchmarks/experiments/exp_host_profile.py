@@ -1,0 +1,62 @@
+"""Experiment: where the torch eager host time of each op goes (cProfile over
+the bench_host_overhead cases, GPU only), plus the cost of the pieces:
+torch.empty of a small CUDA tensor and a cached compiled kernel's launcher.
+
+    python3 -m benchmarks.experiments.exp_host_profile
+"""
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+from benchmarks.bench_host_overhead import _cases, _recorded
+
+
+def per_call_us(fn, n=2000):
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return t
+
+
+def main():
+    from adapters.torch import _executor as ex
+    print("torch.empty((1,)) us", per_call_us(lambda: torch.empty((1,), device="cuda")))
+    print("torch.empty((64,8,128)) bf16 us",
+          per_call_us(lambda: torch.empty((64, 8, 128), device="cuda", dtype=torch.bfloat16)))
+    with torch.inference_mode():
+        for name, call, _ in _cases():
+            rec = _recorded(call)
+            print(f"\n=== {name}: {per_call_us(call):.1f} us/call, fast path {ex._FAST_PATH}, "
+                  f"compiled entries {len(ex._COMPILED)}", flush=True)
+            for launch, args in rec:
+                key = ex._spec_key(launch, args, 0)
+                entry = ex._COMPILED.get(key)
+                if entry is None:
+                    print("  no cached launcher for", launch.kernel.fn.__name__)
+                    continue
+                compiled, grid, constexprs = entry
+                stream = torch._C._cuda_getCurrentRawStream(0)
+                raw = per_call_us(lambda: compiled.run(grid[0], grid[1], grid[2], stream, compiled.function,
+                                                       compiled.packed_metadata, None, None, None, *args,
+                                                       *constexprs))
+                print(f"  raw launcher {launch.kernel.fn.__name__}: {raw:.1f} us")
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(1000):
+                call()
+            pr.disable()
+            torch.cuda.synchronize()
+            s = io.StringIO()
+            pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(14)
+            print("\n".join(line for line in s.getvalue().splitlines() if line.strip())[:3500])
+
+
+if __name__ == "__main__":
+    main()

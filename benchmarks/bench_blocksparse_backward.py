@@ -12,10 +12,14 @@ with effective TFLOP/s over the attended (token-exact) pairs for ours (forward
 4 D flops per pair, backward 10 D: five matmuls, the dQ kernel recomputing P)
 and over the causal pairs for SDPA (forward 4 D, backward 8 D, the flash
 backward's count), and the SDPA / ours time ratio (target: >= 2.5).
-Also checks that torch and JAX give bitwise equal gradients.
+Also checks that torch and JAX give bitwise equal gradients. With
+BLOCKSPARSE_BWD_SWEEP=1 it then times the backward launches alone for a grid of
+BlocksparseBackwardConfig (and each launch of the default on its own).
 Imports on a CPU-only machine; running needs a CUDA GPU.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -113,6 +117,50 @@ def run():
     for name, a, b in zip(("dq", "dk", "dv"), grads_t, grads_j):
         same = np.array_equal(a.float().cpu().numpy(), np.asarray(b.astype(jnp.float32)))
         print(f"torch vs JAX {name}: {'bitwise equal' if same else 'DIFFER'}")
+
+
+    if SWEEP:
+        sweep(q.detach(), k.detach(), v.detach(), go, cu, crow, col, scale, bs, n)
+
+
+# BlocksparseBackwardConfig grid of the sweep: (block_m, block_n, dq_warps, dkdv_warps, stages)
+SWEEP_CONFIGS = [(bm, bn, wq, wk, st) for bm, bn in ((64, 64), (32, 64), (64, 32), (32, 32))
+                 for wq in (4, 8) for wk in (4, 8) for st in (2, 3)]
+SWEEP = os.environ.get("BLOCKSPARSE_BWD_SWEEP") == "1"   # the config sweep (and each launch alone)
+
+
+def sweep(q, k, v, go, cu, crow, col, scale, bs, n):
+    """The backward launches alone (CUDA events, L2 flushed) per config, and each
+    launch of the planner's default on its own."""
+    from adapters.torch._executor import info, run_plan, target_for
+    from core_kernels._plan import Plan
+    from core_kernels.blocksparse_attention import (BlocksparseBackwardConfig, plan_blocksparse_attention_backward,
+                                                    plan_blocksparse_attention_lse)
+    tgt = target_for(q.device)
+    opts = dict(sm_scale=scale, block_size=bs, max_seqlen=n)
+    fwd = plan_blocksparse_attention_lse(tgt, info(q), info(k), info(v), info(cu), info(cu), info(crow),
+                                         info(col), **opts)
+    env = run_plan(fwd, dict(q=q, k=k, v=v, cu_seqlens_k=cu, cu_seqlens_q=cu, crow=crow, col=col))
+    tensors = dict(q=q, k=k, v=v, output=env["output"], lse=env["lse"], grad_output=go, cu_seqlens_k=cu,
+                   cu_seqlens_q=cu, crow=crow, col=col)
+    args = [info(tensors[x]) for x in ("q", "k", "v", "output", "lse", "grad_output", "cu_seqlens_k",
+                                       "cu_seqlens_q", "crow", "col")]
+    default = plan_blocksparse_attention_backward(tgt, *args, **opts)
+    full = run_plan(default, tensors)
+    print("default backward launches alone:")
+    for launch in default.launches:
+        one = Plan(default.buffers, (launch,), default.results)
+        t = kernel_time_torch(lambda one=one: run_plan(one, {**tensors, **{b: full[b] for b in default.buffers}}))
+        print(f"  {launch.kernel.fn.__name__:36s}{t * 1e3:9.3f} ms")
+    print(f"{'config (bm, bn, dq_warps, dkdv_warps, stages)':48s}{'bwd_ms':>9s}")
+    for cfg in [None] + SWEEP_CONFIGS:
+        try:
+            plan = default if cfg is None else plan_blocksparse_attention_backward(
+                tgt, *args, **opts, config=BlocksparseBackwardConfig(*cfg))
+            t = kernel_time_torch(lambda plan=plan: run_plan(plan, tensors))
+            print(f"{'default' if cfg is None else str(cfg):48s}{t * 1e3:9.3f}", flush=True)
+        except Exception as exc:  # noqa: BLE001  a config that does not compile
+            print(f"{str(cfg):48s} error {exc!r:.100}", flush=True)
 
 
 if __name__ == "__main__":

@@ -127,16 +127,20 @@ def _check_backward_fields(config: BlocksparseBackwardConfig, p: _Problem) -> No
 
 
 def _backward_config(target: Target, p: _Problem) -> BlocksparseBackwardConfig:
-    # NOTE: not timed on a GPU yet (written on a CPU-only machine). 64 x 64
-    # tiles match the forward's and the 64-token layout blocks of Phi-3-small.
-    # Warps from the sm_90 ptxas report of tools/offline_compile.py (Phi-3-small
-    # 1x16384, bf16, D 128, 64 x 64 tiles, 2 stages; 2026-11-24): dQ 4 warps
-    # 255 registers + 108 B spills, 8 warps 245 registers, no spill; dK/dV (two
-    # [64, D] fp32 accumulators plus K and V) 4 warps 416 B spills, 8 warps
-    # 40 B. So 8 warps from D 128 on. Tune with
-    # benchmarks/bench_blocksparse_backward.py.
+    # NOTE: 64 x 64 tiles match the forward's and the 64-token layout blocks of
+    # Phi-3-small. Warps and stages measured on the H200 (bench_blocksparse_backward's
+    # sweep, Phi-3-small 1x16384, Hq 32 / Hkv 8, D 128, per-head, bf16; 2026-11-24,
+    # code of 0259e25; benchmarks/results/2026-11-24-blocksparse-backward/): the
+    # backward launches alone take 5.92 ms at (64, 64) tiles, 4 dQ warps, 4 dK/dV
+    # warps, 2 stages, against 10.52 ms at the 8 / 8 warps chosen before from
+    # ptxas alone (4 warps spill 108 B in dQ and 416 B in dK/dV but run faster:
+    # more programs per SM); 8 dQ / 4 dK/dV 8.04 ms, 4 / 8 8.41 ms; 3 stages 6.56
+    # ms; 32-row or 32-key tiles 8.5-13.1 ms at 4 / 4 warps. Separately at 8 / 8:
+    # dQ 4.08 ms, dK/dV 6.34 ms, the column mask and delta 0.18 and 0.14 ms.
+    # fp32 is not measured: it keeps 8 warps from D 128 on (the ptxas rule: its
+    # tiles are twice the bytes) and one stage past D 128.
     bm = bn = min(p.block_size, 64)
-    warps = 8 if p.d_pad >= 128 else 4
+    warps = 8 if p.d_pad >= 128 and p.dtype == "float32" else 4
     return BlocksparseBackwardConfig(bm, bn, warps, warps,
                                      1 if p.d_pad > 128 and p.dtype == "float32" else 2)
 

@@ -10,6 +10,7 @@ the rows marked "default" use the plan's own TILE_CONFIGS.
 from __future__ import annotations
 
 import gc
+import os
 
 import numpy as np
 
@@ -32,6 +33,11 @@ VLLM033_SHAPES = (
     ("B4-q1024-ctx4096-bf16-interleaved-v", [(1024, 4096)] * 4, "bfloat16",
      {"interleaved_v_pack_factor": 8}),
     ("B4-q1024-ctx4096-bf16-cached-kv", [(1024, 4096)] * 4, "bfloat16", {"cache_kv": True}),
+    # vLLM's block tables are as wide as the model's longest sequence (here 131072
+    # tokens): without max_seq_len the gather scratch would be table-sized
+    ("B4-q1024-ctx4096-bf16-table131072", [(1024, 4096)] * 4, "bfloat16", {"table_width": 8192}),
+    ("B4-q1024-ctx4096-bf16-table131072-max_seq_len", [(1024, 4096)] * 4, "bfloat16",
+     {"table_width": 8192, "max_seq_len": 5120}),
 )
 
 
@@ -64,7 +70,8 @@ def make_inputs(seqs, dtype, opts, seed=0):
     k_cache = rnd(num_blocks, hkv, d // x, bs, x).to(cdt)
     v_cache = rnd(num_blocks, hkv, d, bs).to(cdt)
     perm = torch.randperm(num_blocks, device="cuda", generator=g).to(torch.int32)
-    b_loc = torch.zeros(len(seqs), max(nblk + [1]), dtype=torch.int32, device="cuda")
+    width = max(nblk + [1, opts.get("table_width", 0)])  # unused slots: block 0
+    b_loc = torch.zeros(len(seqs), width, dtype=torch.int32, device="cuda")
     pos = 0
     for i, n in enumerate(nblk):
         b_loc[i, :n] = perm[pos:pos + n]
@@ -105,7 +112,8 @@ def torch_call(inp, out, opts, config=None):
     k, v = (None, None) if opts.get("cache_kv") else (inp["k"], inp["v"])
     return lambda: at.context_attention_fwd(
         inp["q"], k, v, out, opts.get("kv_cache_dtype", "auto"), inp["k_cache"],
-        inp["v_cache"], inp["b_loc"], inp["b_start_loc"], inp["b_seq_len"], 0, inp["max_input_len"],
+        inp["v_cache"], inp["b_loc"], inp["b_start_loc"], inp["b_seq_len"], opts.get("max_seq_len", 0),
+        inp["max_input_len"],
         inp["k_scale"], inp["v_scale"], sliding_window=opts.get("sliding_window"),
         interleaved_v_pack_factor=opts.get("interleaved_v_pack_factor", 0), config=config)
 
@@ -144,7 +152,11 @@ def run():
     mm = timing.matmul_tflops()
     rows = [dict(name="dense-bf16-matmul", **{"TFLOP/s": mm / 1e12})]
     standard_us = None
+    # e.g. "table,ctx4096-bf16": the rows whose name holds one of these
+    only = [o for o in os.environ.get("PREFIX_PREFILL_ONLY", "").split(",") if o]
     for name, seqs, dtype, opts in (*PREFIX_PREFILL_SHAPES, *VLLM033_SHAPES):
+        if only and not any(o in name for o in only):
+            continue
         inp = make_inputs(seqs, dtype, opts)
         flops = useful_flops(seqs, m["hq"], m["d"], opts.get("sliding_window"))
         out = torch.empty_like(inp["q"])
@@ -185,7 +197,7 @@ def run():
             f = jax.jit(lambda a: aj.context_attention_fwd(
                 a["q"], None if no_kv else a["k"], None if no_kv else a["v"], a["k_cache"],
                 a["v_cache"], a["b_loc"], a["b_start_loc"], a["b_seq_len"],
-                max_input_len=inp["max_input_len"],
+                max_input_len=inp["max_input_len"], max_seq_len=opts.get("max_seq_len"),
                 kv_cache_dtype=opts.get("kv_cache_dtype", "auto"), k_scale=a["k_scale"],
                 v_scale=a["v_scale"], sliding_window=opts.get("sliding_window"),
                 interleaved_v_pack_factor=opts.get("interleaved_v_pack_factor", 0)))

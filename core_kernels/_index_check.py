@@ -102,7 +102,8 @@ def _check_cumulative(name: str, cu: np.ndarray, *, start: int | None, end: int 
 def check_prefix_prefill(host: dict, *, num_tokens: int, num_blocks: int, block_size: int,
                          max_input_len: int, sliding_window: int | None = None, skip_decode: bool = False,
                          cache_new: bool = False, is_block_table_ptr: bool = False,
-                         k_cache_address: int | None = None, block_bytes: int = 0) -> None:
+                         k_cache_address: int | None = None, block_bytes: int = 0,
+                         max_seq_len: int = 0) -> None:
     """context_attention_fwd: ``host`` has b_loc [B, W], b_start_loc [B + 1],
     b_seq_len [B]. ``num_tokens`` is q's T, ``num_blocks`` / ``block_size``
     k_cache's shape[0] / shape[3]; ``cache_new``: k = v = None (the new tokens' K/V are read from the
@@ -113,9 +114,9 @@ def check_prefix_prefill(host: dict, *, num_tokens: int, num_blocks: int, block_
     Only the block-table entries the kernels read are checked: those of the
     cache positions some query of a running sequence can see (a sliding window
     hides the early ones; skip_decode skips sequences with one query), so a
-    stale id in an unused slot stays harmless, as the spec promises. (The torch
-    op's max_seq_len bounds nothing, the kernels never read it, so it is not
-    checked.)
+    stale id in an unused slot stays harmless, as the spec promises.
+    ``max_seq_len`` > 0 sizes the gathered context: every running sequence's
+    context length must not exceed it.
     """
     b_loc, b_start_loc, b_seq_len = (host[n] for n in ("b_loc", "b_start_loc", "b_seq_len"))
     if b_loc.ndim != 2 or b_start_loc.shape != (b_loc.shape[0] + 1,) \
@@ -139,6 +140,11 @@ def check_prefix_prefill(host: dict, *, num_tokens: int, num_blocks: int, block_
     running = q_len > 0
     if skip_decode:
         running &= q_len != 1
+    if max_seq_len > 0 and (running & (ctx > max_seq_len)).any():
+        i = _first(running & (ctx > max_seq_len))
+        raise ValueError(f"max_seq_len: {max_seq_len} is less than sequence {i}'s context length "
+                         f"{int(ctx[i])}; it sizes the gathered context, so that sequence's outputs "
+                         "would be NaN")
     if running.any() and q_len[running].max() > max_input_len:
         i = _first(running & (q_len > max_input_len))
         raise ValueError(f"max_input_len: {max_input_len} is less than sequence {i}'s query "

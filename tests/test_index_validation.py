@@ -61,6 +61,8 @@ PREFIX_BAD = {
     "query-longer-than-sequence": (lambda c: _with(c, "b_seq_len", 1, 1), "b_seq_len"),
     "seq-len-negative": (lambda c: _with(c, "b_seq_len", 1, -2), "b_seq_len"),
     "max-input-len-too-small": (lambda c: {**c, "max_input_len": 2}, "max_input_len"),
+    # sequence 0's context is 5 tokens: a bound of 4 would leave it NaN
+    "max-seq-len-below-a-context": (lambda c: {**c, "max_seq_len": 4}, "max_seq_len"),
 }
 
 # valid data the checks must not refuse: entries the kernels never read are free
@@ -72,6 +74,7 @@ PREFIX_GOOD = {
     "skip-decode-row": lambda c: {**_with(_with(_with(c, "b_start_loc", 2, 4), "b_seq_len", 1, 3),
                                          "b_loc", (1, 0), -5), "skip_decode": True},
     "new-kv-from-cache": lambda c: {**c, "k": None, "v": None},
+    "max-seq-len-the-longest-context": lambda c: {**c, "max_seq_len": 5},
 }
 
 
@@ -327,7 +330,8 @@ class TestTorch(TorchAdapter, IndexValidationTests):
         k_cache = t("k_cache")
         b_loc = to_torch(c["b_loc_ptr"](k_cache)) if "b_loc_ptr" in c else t("b_loc")
         at.context_attention_fwd(t("q"), t("k"), t("v"), o, "auto", k_cache, t("v_cache"), b_loc,
-                                 t("b_start_loc"), t("b_seq_len"), 0, c["max_input_len"],
+                                 t("b_start_loc"), t("b_seq_len"), c.get("max_seq_len", 0),
+                                 c["max_input_len"],
                                  sliding_window=c.get("sliding_window"),
                                  skip_decode=c.get("skip_decode", False),
                                  is_block_table_ptr="b_loc_ptr" in c, **kw)
@@ -455,8 +459,8 @@ class TestJax(JaxAdapter, IndexValidationTests):
         j = lambda n: None if c[n] is None else to_jax(c[n])  # noqa: E731
         out = aj.context_attention_fwd(
             *(j(n) for n in ("q", "k", "v", "k_cache", "v_cache", "b_loc", "b_start_loc", "b_seq_len")),
-            max_input_len=c["max_input_len"], sliding_window=c.get("sliding_window"),
-            skip_decode=c.get("skip_decode", False), **kw)
+            max_input_len=c["max_input_len"], max_seq_len=c.get("max_seq_len"),
+            sliding_window=c.get("sliding_window"), skip_decode=c.get("skip_decode", False), **kw)
         return np.asarray(out)
 
     def blocksparse(self, c, **kw):

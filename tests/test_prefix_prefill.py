@@ -269,7 +269,7 @@ class PrefixPrefillTests:
     def attention(self, case, *, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
                   alibi_slopes=None, sliding_window=None, sm_scale=None, skip_decode=False,
                   fp8_out_scale=None, sinks=None, output=None, max_input_len=None, config=None,
-                  causal=True, interleaved_v_pack_factor=0):
+                  causal=True, interleaved_v_pack_factor=0, max_seq_len=0):
         """A numpy case (make_case) -> the numpy output through this adapter.
         ``output``: the output's values before the call (None: the adapter's default)."""
         raise NotImplementedError
@@ -296,6 +296,33 @@ class PrefixPrefillTests:
         case = make_case(seqs, 4, 1, 32, 16, 8, "float32", window=w)
         check(self.attention(case, sliding_window=w, config=config),
               reference(case, sliding_window=w), "float32", f"tiles {tiles} window")
+
+    def test_max_seq_len_sizes_the_gathered_context(self):
+        """A block table far wider than the contexts: max_seq_len (a bound on
+        every context, here the longest) sizes the gather scratch, with the same
+        results as the paged path; with new tokens read from the cache too. A
+        context past the bound (device data nobody checked) gives that
+        sequence NaN rows, and no other row changes."""
+        seqs = [(21, 50), (1, 20), (9, 0), (17, 33)]
+        case = make_case(seqs, 4, 2, 32, 16, 8, "float32")
+        wide = np.full((4, 64), 7, case["b_loc"].dtype)  # 1024 tokens per row; slot 7 is any block
+        wide[:, :case["b_loc"].shape[1]] = case["b_loc"]
+        case = {**case, "b_loc": wide}
+        gather = PrefixPrefillConfig(16, 16, 4, 2, True, 1, True)
+        ref = reference(case)
+        check(self.attention(case, config=gather, max_seq_len=50), ref, "float32", "gathered, bound 50")
+        check(self.attention(case, config=gather, max_seq_len=71), ref, "float32", "gathered, bound 71")
+        new = no_kv(make_case(seqs, 4, 2, 32, 16, 8, "float32", cache_new=True))
+        check(self.attention(new, config=gather, max_seq_len=50), reference(new), "float32",
+              "gathered with the new tokens, bound 50")
+        short = self.attention(case, config=gather, max_seq_len=32)  # sequences 0 and 3 exceed it
+        rows = np.concatenate([[0], np.cumsum([s[0] for s in seqs])])
+        for i, (ql, ctx) in enumerate(seqs):
+            part = short[rows[i]:rows[i + 1]]
+            if ctx > 32:
+                assert np.isnan(part).all(), f"sequence {i}: context {ctx} past the bound, not NaN"
+            else:
+                check(part, ref[rows[i]:rows[i + 1]], "float32", f"sequence {i} within the bound")
 
     @pytest.mark.parametrize("gather", [False, True])
     def test_context_gathered_or_paged(self, gather):
@@ -489,7 +516,7 @@ class TestTorch(TorchAdapter, PrefixPrefillTests):
     def attention(self, case, *, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
                   alibi_slopes=None, sliding_window=None, sm_scale=None, skip_decode=False,
                   fp8_out_scale=None, sinks=None, output=None, max_input_len=None, config=None,
-                  causal=True, interleaved_v_pack_factor=0):
+                  causal=True, interleaved_v_pack_factor=0, max_seq_len=0):
         out_dtype = "float8_e4m3fn" if fp8_out_scale is not None else case["q"].dtype.name
         mil = case["max_input_len"] if max_input_len is None else max_input_len
         o = to_torch(poison_like(case["q"].shape, out_dtype) if output is None else output)
@@ -497,7 +524,7 @@ class TestTorch(TorchAdapter, PrefixPrefillTests):
         tt = lambda n: None if case[n] is None else to_torch(case[n])  # noqa: E731
         at.context_attention_fwd(
             *(tt(n) for n in ARRAYS[:3]), o, kv_cache_dtype,
-            *(tt(n) for n in ARRAYS[3:]), 0, mil, scl(k_scale), scl(v_scale),
+            *(tt(n) for n in ARRAYS[3:]), max_seq_len, mil, scl(k_scale), scl(v_scale),
             None if alibi_slopes is None else to_torch(alibi_slopes), sliding_window, sm_scale,
             skip_decode, scl(fp8_out_scale), None if sinks is None else to_torch(sinks),
             False, interleaved_v_pack_factor, causal, config=config)
@@ -650,10 +677,10 @@ class TestJax(JaxAdapter, PrefixPrefillTests):
     def attention(self, case, *, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
                   alibi_slopes=None, sliding_window=None, sm_scale=None, skip_decode=False,
                   fp8_out_scale=None, sinks=None, output=None, max_input_len=None, config=None,
-                  causal=True, interleaved_v_pack_factor=0, jit=False):
+                  causal=True, interleaved_v_pack_factor=0, max_seq_len=0, jit=False):
         import jax
         import adapters.jax as aj
-        fn = functools.partial(aj.context_attention_fwd, max_input_len=max_input_len,
+        fn = functools.partial(aj.context_attention_fwd, max_input_len=max_input_len, max_seq_len=max_seq_len,
                                kv_cache_dtype=kv_cache_dtype, sliding_window=sliding_window,
                                sm_scale=sm_scale, skip_decode=skip_decode, config=config,
                                causal=causal, interleaved_v_pack_factor=interleaved_v_pack_factor)
@@ -753,6 +780,32 @@ def test_gather_plan_policy():
     assert len(plan(16, 4, 256, forced).launches) == 2         # config= forces it ...
     assert plan(16, 4, 256, forced).launches[-1].constexprs["BLOCK_N"] == 32  # ... with its tiles
     assert len(plan(1024, 4, 256, dataclasses.replace(forced, gather=False)).launches) == 1
+
+
+def test_max_seq_len_sizes_the_scratch():
+    """A block table 8192 blocks wide (131072 tokens) over 4096-token contexts:
+    sized by the table the scratch is too large and the context is read paged;
+    sized by max_seq_len (rounded up to a power of two of blocks) it is gathered."""
+    A = ArrayInfo.contiguous
+
+    def plan(max_seq_len, blocks=8192, cache_new=False):
+        t, b = 4096, 4
+        kv = (None, None) if cache_new else (A((t, 8, 128), "float16"), A((t, 8, 128), "float16"))
+        return plan_prefix_prefill(
+            Target.interpreter(), A((t, 32, 128), "float16"), *kv,
+            A((b * 256, 8, 16, 16, 8), "float16"), A((b * 256, 8, 128, 16), "float16"),
+            A((b, blocks), "int32"), A((b + 1,), "int32"), A((b,), "int32"), max_input_len=1024,
+            max_seq_len=max_seq_len)
+
+    assert len(plan(0).launches) == 1                          # table-sized: paged
+    gathered = plan(4096)
+    assert len(gathered.launches) == 2 and gathered.buffers["k_scratch"].shape == (4, 8, 4096, 128)
+    assert plan(5000).buffers["k_scratch"].shape[2] == 8192    # 313 blocks -> 512 blocks
+    assert plan(5000).launches[0].grid == plan(8000).launches[0].grid  # one bucket, one plan shape
+    assert plan(4096, cache_new=True).buffers["k_scratch"].shape[2] == 8192  # + max_input_len
+    assert plan(10 ** 6, blocks=256).buffers["k_scratch"].shape[2] == 4096   # never past the table
+    with pytest.raises(ValueError, match="max_seq_len"):
+        plan(-1)
 
 
 # ------------------------------------------------------------------ GPU, real sizes

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from core_kernels import _index_check
-from core_kernels._plan import as_float, as_int
+from core_kernels._plan import INT32_MAX, as_float, as_int
 from core_kernels.prefix_prefill import plan_prefix_prefill
 
 from core_kernels.op_axes import CONTEXT_ATTENTION_FWD
@@ -16,7 +16,7 @@ from ._index_validation import buffer_address, check_indices, index_validation
 
 
 def context_attention_fwd(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, *,
-                          max_input_len=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
+                          max_input_len=None, max_seq_len=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
                           alibi_slopes=None, sliding_window=None, sm_scale=None,
                           skip_decode=False, fp8_out_scale=None, sinks=None, output=None,
                           is_block_table_ptr=False, interleaved_v_pack_factor=0, causal=True,
@@ -25,7 +25,9 @@ def context_attention_fwd(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_l
 
     Shapes, dtypes and options as in ``adapters.torch.context_attention_fwd``;
     the block table, start offsets, lengths and scales may be traced values.
-    ``max_input_len`` is static (default T, always valid). ``output``: optional
+    ``max_input_len`` is static (default T, always valid). ``max_seq_len``
+    (static, None or 0: unknown): a bound on every sequence's context length
+    that sizes the gathered context, as in the torch op. ``output``: optional
     [T, Hq, D] array aliased to the result, so rows skipped by ``skip_decode``
     keep its values (zeros when absent) and a donated buffer is updated in place.
     ``k`` and ``v`` None: the new tokens' K/V are read from the paged cache.
@@ -54,11 +56,12 @@ def context_attention_fwd(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_l
                                   "interpreter the kernels read host copies of the cache)")
     if index_validation(validate_indices, b_loc, b_start_loc, b_seq_len):
         _check_indices(q, k, k_cache, b_loc, b_start_loc, b_seq_len, max_input_len,
-                       sliding_window, skip_decode, is_block_table_ptr)
+                       sliding_window, skip_decode, is_block_table_ptr, max_seq_len)
     return _spmd.call(
         CONTEXT_ATTENTION_FWD, _context_attention, arrays,
         # static host scalars as plain ints / floats (docs/scalar_policy.md); ranges: the planner's
         max_input_len=q.shape[0] if max_input_len is None else as_int("max_input_len", max_input_len),
+        max_seq_len=0 if max_seq_len is None else as_int("max_seq_len", max_seq_len, 0, INT32_MAX),
         kv_cache_dtype=kv_cache_dtype,
         sliding_window=None if sliding_window is None else as_int("sliding_window", sliding_window),
         sm_scale=None if sm_scale is None else as_float("sm_scale", sm_scale, finite=False),
@@ -79,7 +82,7 @@ def _context_attention(arrays, **options):
 
 
 def _check_indices(q, k, k_cache, b_loc, b_start_loc, b_seq_len, max_input_len, sliding_window,
-                   skip_decode, is_block_table_ptr):
+                   skip_decode, is_block_table_ptr, max_seq_len=None):
     """Index validation (one host transfer); malformed arguments are left to the planner."""
     if q.ndim != 3 or k_cache.ndim != 5:
         return
@@ -91,4 +94,5 @@ def _check_indices(q, k, k_cache, b_loc, b_start_loc, b_seq_len, max_input_len, 
                   skip_decode=bool(skip_decode), cache_new=k is None,
                   is_block_table_ptr=bool(is_block_table_ptr),
                   k_cache_address=buffer_address(k_cache) if is_block_table_ptr else None,
-                  block_bytes=int(np.prod(k_cache.shape[1:])) * jnp.dtype(k_cache.dtype).itemsize)
+                  block_bytes=int(np.prod(k_cache.shape[1:])) * jnp.dtype(k_cache.dtype).itemsize,
+                  max_seq_len=int(max_seq_len or 0))

@@ -18,7 +18,7 @@ from ._scalars import scale_tensor
 def _impl(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor], o: torch.Tensor,
           kv_cache_dtype: str, k_cache: torch.Tensor, v_cache: torch.Tensor,
           b_loc: torch.Tensor, b_start_loc: torch.Tensor, b_seq_len: torch.Tensor,
-          max_input_len: int, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
+          max_seq_len: int, max_input_len: int, k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
           alibi_slopes: Optional[torch.Tensor], sliding_window: Optional[int],
           sm_scale: Optional[float], skip_decode: bool, fp8_out_scale: Optional[torch.Tensor],
           sinks: Optional[torch.Tensor], causal: bool, interleaved_v_pack_factor: int,
@@ -28,7 +28,7 @@ def _impl(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                    b_start_loc=b_start_loc, b_seq_len=b_seq_len, output=o, k_scale=k_scale,
                    v_scale=v_scale, alibi_slopes=alibi_slopes, sinks=sinks,
                    fp8_out_scale=fp8_out_scale)
-    plan, device = planned(plan_prefix_prefill, tensors, max_input_len=max_input_len,
+    plan, device = planned(plan_prefix_prefill, tensors, max_input_len=max_input_len, max_seq_len=max_seq_len,
                            kv_cache_dtype=kv_cache_dtype, sliding_window=sliding_window,
                            sm_scale=sm_scale, skip_decode=skip_decode, causal=causal,
                            interleaved_v_pack_factor=interleaved_v_pack_factor,
@@ -63,7 +63,14 @@ def context_attention_fwd(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b
         b_loc: [B, max_blocks_per_seq] int32/int64 block table; b_start_loc: [B + 1]
             cumulative query starts; b_seq_len: [B] context + query lengths (all
             device data: new values never recompile).
-        max_seq_len: unused (vLLM signature; an int >= 0). max_input_len: upper
+        max_seq_len: an int >= 0 or None (vLLM's signature). > 0: an upper bound
+            on every sequence's context length (b_seq_len minus its query
+            length; vLLM passes its longest sequence) that sizes the scratch
+            the paged context is gathered into, so that a block table much
+            wider than the batch's contexts keeps the dense path; a sequence
+            whose context exceeds it gets NaN outputs. 0 or None: the block
+            table's width sizes the scratch (it may then be too big to use, and
+            the context is read through the table). max_input_len: upper
             bound on the query length of any sequence (sets the grid; an int >= 0,
             a value above T acts as T).
         k_scale, v_scale: fp8 dequantisation scales (1-element float32 tensors:
@@ -94,10 +101,10 @@ def context_attention_fwd(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b
     """
     if index_validation(validate_indices, b_loc, b_start_loc, b_seq_len):
         _check_indices(q, k, k_cache, b_loc, b_start_loc, b_seq_len, max_input_len,
-                       sliding_window, skip_decode, is_block_table_ptr)
-    as_int("max_seq_len", max_seq_len, 0)  # unused (vLLM's signature), but an int all the same
+                       sliding_window, skip_decode, is_block_table_ptr, max_seq_len)
     # host scalars as plain ints / floats (docs/scalar_policy.md); ranges are the planner's
     _op(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b_start_loc, b_seq_len,
+        0 if max_seq_len is None else as_int("max_seq_len", max_seq_len, 0, INT32_MAX),
         as_int("max_input_len", max_input_len), scale_tensor("k_scale", k_scale, q),
         scale_tensor("v_scale", v_scale, q), alibi_slopes,
         None if sliding_window is None else as_int("sliding_window", sliding_window),
@@ -108,7 +115,7 @@ def context_attention_fwd(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b
 
 
 def _check_indices(q, k, k_cache, b_loc, b_start_loc, b_seq_len, max_input_len, sliding_window,
-                   skip_decode, is_block_table_ptr):
+                   skip_decode, is_block_table_ptr, max_seq_len=0):
     """Index validation (one host sync); malformed arguments are left to the planner."""
     if not (isinstance(q, torch.Tensor) and q.dim() == 3 and isinstance(k_cache, torch.Tensor)
             and k_cache.dim() == 5):
@@ -121,4 +128,5 @@ def _check_indices(q, k, k_cache, b_loc, b_start_loc, b_seq_len, max_input_len, 
                   skip_decode=bool(skip_decode), cache_new=k is None,
                   is_block_table_ptr=bool(is_block_table_ptr),
                   k_cache_address=k_cache.data_ptr(),
-                  block_bytes=k_cache.stride(0) * k_cache.element_size())
+                  block_bytes=k_cache.stride(0) * k_cache.element_size(),
+                  max_seq_len=int(max_seq_len or 0))

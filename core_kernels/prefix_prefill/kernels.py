@@ -342,6 +342,14 @@ def _prefix_prefill_kernel(
             else:
                 hi_c = ctx_len + q_len
                 full_hi_c = ctx_len + q_len
+        over = False
+        if CACHE_DENSE:
+            # the scratch holds ctx_cap tokens per sequence (sized from max_seq_len
+            # when given): a longer sequence (max_seq_len below its length, device
+            # data nobody checked) reads no further and gives NaN rows
+            over = ctx_len + (q_len if CACHE_NEW else 0) > ctx_cap
+            hi_c = tl.minimum(hi_c, ctx_cap)
+            full_hi_c = tl.minimum(full_hi_c, ctx_cap)
         t0, t1, t2, t3 = _tile_runs(lo_key, hi_c, full_lo, full_hi_c, BLOCK_N)
         if CACHE_DENSE:
             # the context was gathered into [B, Hkv, ctx_cap, D] scratch
@@ -401,6 +409,8 @@ def _prefix_prefill_kernel(
         # every live row sees at least itself, so l_i > 0 there; rows past the
         # sequence may see nothing (0 / 0): keep them quiet, they are never stored
         b_o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        if CACHE_DENSE:
+            b_o = tl.where(over, float("nan"), b_o)
         if OUT_FP8:
             b_o = tl.math.div_rn(b_o, tl.load(out_scale_ptr).to(tl.float32))
             b_o = tl.clamp(b_o, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)

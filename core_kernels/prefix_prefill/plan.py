@@ -129,7 +129,7 @@ class _Problem:
 @memoize
 def plan_prefix_prefill(target: Target, q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len,
                         output=None, k_scale=None, v_scale=None, alibi_slopes=None,
-                        sinks=None, fp8_out_scale=None, *, max_input_len: int,
+                        sinks=None, fp8_out_scale=None, *, max_input_len: int, max_seq_len: int = 0,
                         kv_cache_dtype: str = "auto", sliding_window=None, sm_scale=None,
                         skip_decode: bool = False, output_dtype: str | None = None,
                         causal: bool = True, interleaved_v_pack_factor: int = 0,
@@ -144,6 +144,11 @@ def plan_prefix_prefill(target: Target, q, k, v, k_cache, v_cache, b_loc, b_star
     float32 device arrays named like their argument; the block table, start
     offsets and lengths are device data, so new values never recompile.
     ``config`` overrides the tiling chosen from TILE_CONFIGS / GATHER_TILE_CONFIGS.
+    ``max_seq_len`` > 0: an upper bound on every sequence's context length
+    (vLLM passes its longest sequence, or in its tests the longest context)
+    that sizes the scratch the context is gathered into (see _scratch_tokens);
+    0: the block table's width sizes it. A sequence whose context does not fit
+    (device data nobody checked) gets NaN outputs.
 
     vLLM 0.33's options: ``k`` and ``v`` both None read the new tokens' K/V from
     the paged cache (positions context_len .. seq_len - 1 through ``b_loc``);
@@ -162,7 +167,8 @@ def plan_prefix_prefill(target: Target, q, k, v, k_cache, v_cache, b_loc, b_star
                         v_scale, alibi_slopes, sinks, fp8_out_scale,
                         as_int("max_input_len", max_input_len, 0),
                         kv_cache_dtype, sliding_window, sm_scale, bool(skip_decode), output_dtype,
-                        bool(causal), interleaved_v_pack_factor, bool(is_block_table_ptr))
+                        bool(causal), interleaved_v_pack_factor, bool(is_block_table_ptr),
+                        as_int("max_seq_len", max_seq_len, 0))
     if problem.t == 0 or problem.bsz == 0 or problem.hq == 0 or problem.max_input_len == 0:
         return Plan(problem.buffers, (), ("output",))
     config, pack = _choose_config(problem, config)
@@ -192,7 +198,7 @@ def _check_tiles(config: PrefixPrefillConfig) -> None:
 def _validate(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, output, k_scale, v_scale,
               alibi_slopes, sinks, fp8_out_scale, max_input_len, kv_cache_dtype, sliding_window,
               sm_scale, skip_decode, output_dtype, causal=True, v_pack=0,
-              bt_ptr=False) -> _Problem:
+              bt_ptr=False, max_seq_len=0) -> _Problem:
     cache_new = k is None and v is None
     if (k is None) != (v is None):
         raise ValueError(f"{'k' if k is None else 'v'}: k and v are both given or both None "
@@ -259,8 +265,27 @@ def _validate(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, output, 
         alibi=alibi_slopes is not None, sinks=sinks is not None, skip_decode=skip_decode,
         causal=causal, cache_new=cache_new, v_pack=v_pack, bt_ptr=bt_ptr,
         block_bytes=k_cache.strides[0] * ITEMSIZE[k_cache.dtype],
-        ctx_cap=b_loc.shape[1] * block_size, offs32=offs32, strides=strides,
+        ctx_cap=_scratch_tokens(b_loc.shape[1], block_size, max_seq_len + (max_input_len if cache_new else 0)
+                                if max_seq_len > 0 else 0), offs32=offs32, strides=strides,
         table_strides=tuple(b_loc.strides), out_in=out_in, buffers=buffers)
+
+
+# NOTE: vLLM allocates block tables for the model's longest sequence, so the
+# table's width can be many times the batch's longest context; a scratch sized
+# by it passed GATHER_MAX_BYTES and the call ran the paged loop (278 vs 439
+# TFLOP/s at B4 x q1024 over ctx 4096, H200, issue 18). With max_seq_len the
+# scratch holds that many tokens (plus max_input_len when the new tokens' K/V
+# are gathered too), rounded up to a power of two of cache blocks: at most
+# twice the need, and at most log2(width) distinct plans while the batch's
+# longest sequence grows from step to step. Only a bound on the context is
+# assumed: vLLM's own test passes its longest context as max_seq_len.
+def _scratch_tokens(width: int, block_size: int, bound: int) -> int:
+    """Scratch tokens per sequence: the block table's width in tokens, or fewer
+    from ``bound`` (> 0: no sequence needs more)."""
+    cap = width * block_size
+    if bound > 0:
+        cap = min(cap, next_pow2(cdiv(bound, block_size)) * block_size)
+    return cap
 
 
 def _check_tokens(q, k, v):

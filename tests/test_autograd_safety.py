@@ -81,8 +81,8 @@ def _prefix():
     c = tpp.make_case([(3, 5), (2, 0)], 2, 1, 16, 8, 8, "float32", seed=1)
     t = {n: to_torch(c[n]) for n in ("q", "k", "v", "k_cache", "v_cache", "b_loc", "b_start_loc",
                                       "b_seq_len")}
-    return dict(t, o=_f32(*c["q"].shape), kv_cache_dtype="auto", max_input_len=c["max_input_len"],
-                skip_decode=False, causal=True, interleaved_v_pack_factor=0, is_block_table_ptr=False)
+    return dict(t, o=_f32(*c["q"].shape), kv_cache_dtype="auto", max_seq_len=0,
+                max_input_len=c["max_input_len"], skip_decode=False, causal=True, interleaved_v_pack_factor=0, is_block_table_ptr=False)
 
 
 def _lightning():

@@ -7,22 +7,15 @@ torch.empty of a small CUDA tensor and a cached compiled kernel's launcher.
 import cProfile
 import io
 import pstats
-import time
 
 import torch
 
 from benchmarks.bench_host_overhead import _cases, _recorded
+from benchmarks.experiments.exp_host_overhead import host_us
 
 
-def per_call_us(fn, n=2000):
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return t
+def per_call_us(fn):
+    return host_us(fn, n=2000)
 
 
 def main():

@@ -300,6 +300,22 @@ def _bf16_layout(name, T, D, BE):
 
 
 @gluon.jit
+def _bf16_buffers(T: gl.constexpr, D: gl.constexpr, BE: gl.constexpr, STAGES: gl.constexpr,
+                  STRIDE_QT: gl.constexpr, STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr):
+    """The bf16 kernels' shared memory (the q, k, v rings; the state and the
+    decayed v as wgmma operands) and a chunk's token offsets and row / column
+    indices (_token_offsets)."""
+    sh_v: gl.constexpr = _bf16_layout("sh_v", T, D, BE)
+    q_ring, k_ring, v_ring = _rings(gl.bfloat16, STAGES, T, D, BE, _bf16_layout("sh_qk", T, D, BE), sh_v)
+    s_smem = gl.allocate_shared_memory(gl.bfloat16, [D, BE], _bf16_layout("sh_s", T, D, BE))
+    vd_smem = gl.allocate_shared_memory(gl.bfloat16, [T, BE], sh_v)
+    offs_q, offs_k, offs_v, r_qk, r_v, c_v = _token_offsets(
+        _bf16_layout("ld_qk", T, D, BE), _bf16_layout("ld_v", T, D, BE), T, D, BE, STRIDE_QT, STRIDE_KT,
+        STRIDE_VT)
+    return q_ring, k_ring, v_ring, s_smem, vd_smem, offs_q, offs_k, offs_v, r_qk, r_v, c_v
+
+
+@gluon.jit
 def _bf16_decays(s, r_v, T: gl.constexpr, mma_tt: gl.constexpr, mma_te: gl.constexpr):
     """A whole chunk's decays: q S0 rows by lambda^(i+1), v rows by
     lambda^(T-1-j), scores by lambda^(i-j) (j <= i), the state by lambda^T."""
@@ -413,26 +429,18 @@ def _gluon_prefill_kernel(
     112-byte spill made the prototype 2x slower); as constants they fold into
     the address immediates.
     """
-    ld_qk: gl.constexpr = _bf16_layout("ld_qk", T, D, BE)
     ld_v: gl.constexpr = _bf16_layout("ld_v", T, D, BE)
     mma_tt: gl.constexpr = _bf16_layout("mma_tt", T, D, BE)
     mma_te: gl.constexpr = _bf16_layout("mma_te", T, D, BE)
     p_op: gl.constexpr = _bf16_layout("p_op", T, D, BE)
-    sh_qk: gl.constexpr = _bf16_layout("sh_qk", T, D, BE)
-    sh_v: gl.constexpr = _bf16_layout("sh_v", T, D, BE)
-    sh_s: gl.constexpr = _bf16_layout("sh_s", T, D, BE)
     num_segments = last_segment + 1
     (ticket, per_seg, seg, i_bh, i_b, i_h, e0, s, c_lo, c_hi, num_chunks, base_q, base_k, base_v,
      base_o) = _program(sync_ptr, num_heads, num_rows, seq_len, seg_chunks, decay_ptr, stride_decay,
                         q_ptr, k_ptr, v_ptr, o_ptr, stride_qb, stride_qh, stride_kb, stride_kh,
                         stride_vb, stride_vh, T, E, BE, ALIGN, SEGMENTED)
 
-    q_ring, k_ring, v_ring = _rings(gl.bfloat16, STAGES, T, D, BE, sh_qk, sh_v)
-    s_smem = gl.allocate_shared_memory(gl.bfloat16, [D, BE], sh_s)
-    vd_smem = gl.allocate_shared_memory(gl.bfloat16, [T, BE], sh_v)
-
-    offs_q, offs_k, offs_v, r_qk, r_v, c_v = _token_offsets(ld_qk, ld_v, T, D, BE, STRIDE_QT, STRIDE_KT,
-                                                            STRIDE_VT)
+    (q_ring, k_ring, v_ring, s_smem, vd_smem, offs_q, offs_k, offs_v, r_qk, r_v,
+     c_v) = _bf16_buffers(T, D, BE, STAGES, STRIDE_QT, STRIDE_KT, STRIDE_VT)
     q_decay, k_decay, causal, chunk_decay = _bf16_decays(s, r_v, T, mma_tt, mma_te)
 
     b_s, kv_base, r_s, c_s, offs_s = _start_state(history_ptr, kv_ptr, i_b, i_h, i_bh, e0, num_chunks,
@@ -574,6 +582,21 @@ def _tf32_layout(name, T, D, BE):
 
 
 @gluon.jit
+def _tf32_buffers(T: gl.constexpr, D: gl.constexpr, BE: gl.constexpr, STAGES: gl.constexpr,
+                  STRIDE_QT: gl.constexpr, STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr):
+    """The fp32 kernels' shared memory (the q, k, v rings; S^T and v^T as wgmma
+    operands) and a chunk's token offsets and row / column indices."""
+    q_ring, k_ring, v_ring = _rings(gl.float32, STAGES, T, D, BE, _tf32_layout("sh_qk", T, D, BE),
+                                    _tf32_layout("sh_v", T, D, BE))
+    st_buf = gl.allocate_shared_memory(gl.float32, [1, BE, D], _tf32_layout("sh_st", T, D, BE))
+    vt_buf = gl.allocate_shared_memory(gl.float32, [2, BE, T], _tf32_layout("sh_vt", T, D, BE))
+    offs_q, offs_k, offs_v, r_qk, r_v, c_v = _token_offsets(
+        _tf32_layout("ld_qk", T, D, BE), _tf32_layout("ld_v", T, D, BE), T, D, BE, STRIDE_QT, STRIDE_KT,
+        STRIDE_VT)
+    return q_ring, k_ring, v_ring, st_buf, vt_buf, offs_q, offs_k, offs_v, r_qk, r_v, c_v
+
+
+@gluon.jit
 def _tf32_loop(b_s, q_ring, k_ring, v_ring, st_buf, vt_buf, c_lo, c_hi, kv_base, r_s, c_s, base_q, base_k,
                base_v, base_o, offs_q, offs_k, offs_v, s_log2, chunk_decay, T: gl.constexpr, D: gl.constexpr,
                E: gl.constexpr, BE: gl.constexpr, BLOCK_CHUNKS: gl.constexpr, STRIDE_QT: gl.constexpr,
@@ -631,15 +654,9 @@ def _gluon_prefill_tf32_kernel(
     worker of WS_REGS registers per thread) run side by side, handing the
     ring slots and copies over through mbarriers. STAGES must be 2.
     """
-    ld_qk: gl.constexpr = _tf32_layout("ld_qk", T, D, BE)
-    ld_v: gl.constexpr = _tf32_layout("ld_v", T, D, BE)
     ld_vt: gl.constexpr = _tf32_layout("ld_vt", T, D, BE)
     mma_te: gl.constexpr = _tf32_layout("mma_te", T, D, BE)
     a_op: gl.constexpr = _tf32_layout("a_op", T, D, BE)
-    sh_qk: gl.constexpr = _tf32_layout("sh_qk", T, D, BE)
-    sh_v: gl.constexpr = _tf32_layout("sh_v", T, D, BE)
-    sh_st: gl.constexpr = _tf32_layout("sh_st", T, D, BE)
-    sh_vt: gl.constexpr = _tf32_layout("sh_vt", T, D, BE)
     gl.static_assert(STAGES == 2, "the warp-specialised loop keeps a 2-deep load ring")
 
     num_segments = last_segment + 1
@@ -648,10 +665,8 @@ def _gluon_prefill_tf32_kernel(
                         q_ptr, k_ptr, v_ptr, o_ptr, stride_qb, stride_qh, stride_kb, stride_kh,
                         stride_vb, stride_vh, T, E, BE, ALIGN, SEGMENTED)
 
-    q_ring, k_ring, v_ring = _rings(gl.float32, STAGES, T, D, BE, sh_qk, sh_v)
-    st_buf = gl.allocate_shared_memory(gl.float32, [1, BE, D], sh_st)
-    vt_buf = gl.allocate_shared_memory(gl.float32, [2, BE, T], sh_vt)
-    offs_q, offs_k, offs_v = _token_offsets(ld_qk, ld_v, T, D, BE, STRIDE_QT, STRIDE_KT, STRIDE_VT)[:3]
+    q_ring, k_ring, v_ring, st_buf, vt_buf, offs_q, offs_k, offs_v = _tf32_buffers(
+        T, D, BE, STAGES, STRIDE_QT, STRIDE_KT, STRIDE_VT)[:8]
     t_a = gl.arange(0, T, layout=gl.SliceLayout(0, a_op))
     chunk_decay = gl.exp(-s * T)
     s_log2 = -s * 1.4426950408889634  # lambda^x = 2^(x * s_log2)
@@ -775,23 +790,16 @@ def _gluon_varlen_kernel(
     loads, zero-filled, and that chunk's own decays: _bf16_chunks). state_ptr
     is the cache (HAS_CACHE, read through cache_in_ptr, the same buffer) or
     the final states [B, H, D, E] (see _varlen_state)."""
-    ld_qk: gl.constexpr = _bf16_layout("ld_qk", T, D, BE)
     ld_v: gl.constexpr = _bf16_layout("ld_v", T, D, BE)
     mma_tt: gl.constexpr = _bf16_layout("mma_tt", T, D, BE)
     mma_te: gl.constexpr = _bf16_layout("mma_te", T, D, BE)
     p_op: gl.constexpr = _bf16_layout("p_op", T, D, BE)
-    sh_qk: gl.constexpr = _bf16_layout("sh_qk", T, D, BE)
-    sh_v: gl.constexpr = _bf16_layout("sh_v", T, D, BE)
-    sh_s: gl.constexpr = _bf16_layout("sh_s", T, D, BE)
     i_b, i_h, e0, s, seq_len, num_chunks, base_q, base_k, base_v, base_o = _varlen_program(
         cu_ptr, num_seqs, num_heads, decay_ptr, stride_decay, q_ptr, k_ptr, v_ptr, o_ptr, stride_qh,
         stride_kh, stride_vh, T, E, BE, ALIGN, STRIDE_QT, STRIDE_KT, STRIDE_VT, ORDER_B)
 
-    q_ring, k_ring, v_ring = _rings(gl.bfloat16, STAGES, T, D, BE, sh_qk, sh_v)
-    s_smem = gl.allocate_shared_memory(gl.bfloat16, [D, BE], sh_s)
-    vd_smem = gl.allocate_shared_memory(gl.bfloat16, [T, BE], sh_v)
-    offs_q, offs_k, offs_v, r_qk, r_v, c_v = _token_offsets(ld_qk, ld_v, T, D, BE, STRIDE_QT, STRIDE_KT,
-                                                            STRIDE_VT)
+    (q_ring, k_ring, v_ring, s_smem, vd_smem, offs_q, offs_k, offs_v, r_qk, r_v,
+     c_v) = _bf16_buffers(T, D, BE, STAGES, STRIDE_QT, STRIDE_KT, STRIDE_VT)
     q_decay, k_decay, causal, chunk_decay = _bf16_decays(s, r_v, T, mma_tt, mma_te)
     b_s = _varlen_state(cache_in_ptr, slot_ptr, i_b, i_h, e0, seq_len, num_heads, num_slots, stride_cs,
                         stride_ch, STRIDE_CD, D, E, BE, ALIGN, HAS_CACHE, mma_te)
@@ -817,25 +825,16 @@ def _gluon_varlen_tf32_kernel(
 ):
     """_gluon_varlen_kernel for fp32 inputs: the warp-specialised tf32 loop of
     _gluon_prefill_tf32_kernel, masked as the bf16 one. STAGES must be 2."""
-    ld_qk: gl.constexpr = _tf32_layout("ld_qk", T, D, BE)
-    ld_v: gl.constexpr = _tf32_layout("ld_v", T, D, BE)
     ld_vt: gl.constexpr = _tf32_layout("ld_vt", T, D, BE)
     mma_te: gl.constexpr = _tf32_layout("mma_te", T, D, BE)
     a_op: gl.constexpr = _tf32_layout("a_op", T, D, BE)
-    sh_qk: gl.constexpr = _tf32_layout("sh_qk", T, D, BE)
-    sh_v: gl.constexpr = _tf32_layout("sh_v", T, D, BE)
-    sh_st: gl.constexpr = _tf32_layout("sh_st", T, D, BE)
-    sh_vt: gl.constexpr = _tf32_layout("sh_vt", T, D, BE)
     gl.static_assert(STAGES == 2, "the warp-specialised loop keeps a 2-deep load ring")
     i_b, i_h, e0, s, seq_len, num_chunks, base_q, base_k, base_v, base_o = _varlen_program(
         cu_ptr, num_seqs, num_heads, decay_ptr, stride_decay, q_ptr, k_ptr, v_ptr, o_ptr, stride_qh,
         stride_kh, stride_vh, T, E, BE, ALIGN, STRIDE_QT, STRIDE_KT, STRIDE_VT, ORDER_B)
 
-    q_ring, k_ring, v_ring = _rings(gl.float32, STAGES, T, D, BE, sh_qk, sh_v)
-    st_buf = gl.allocate_shared_memory(gl.float32, [1, BE, D], sh_st)
-    vt_buf = gl.allocate_shared_memory(gl.float32, [2, BE, T], sh_vt)
-    offs_q, offs_k, offs_v, r_qk, r_v, c_v = _token_offsets(ld_qk, ld_v, T, D, BE, STRIDE_QT, STRIDE_KT,
-                                                            STRIDE_VT)
+    (q_ring, k_ring, v_ring, st_buf, vt_buf, offs_q, offs_k, offs_v, r_qk, r_v,
+     c_v) = _tf32_buffers(T, D, BE, STAGES, STRIDE_QT, STRIDE_KT, STRIDE_VT)
     s_log2 = -s * 1.4426950408889634  # lambda^x = 2^(x * s_log2)
     r_s = gl.arange(0, D, layout=gl.SliceLayout(1, mma_te))
     c_s = gl.arange(0, BE, layout=gl.SliceLayout(0, mma_te))

@@ -460,19 +460,30 @@ GLUON_SEGMENT_WAVES = 1
 GLUON_TF32_WS_REGS = 240
 
 
-def _gluon_unfit(target: Target, p: _Prefill) -> str | None:
-    """Why the Gluon kernels do not apply to ``p`` on ``target`` (None: they do)."""
+def gluon_scope_unfit(target: Target, dtype: str, d: int, e: int, row_strides) -> str | None:
+    """What every Gluon lightning kernel (prefill and varlen) needs, or why not:
+    an sm_90 target with Gluon, bf16 / fp32, D = 128, E a multiple of the
+    E-tile, and q/k/v rows (``row_strides``, in elements) 16-byte aligned."""
     if not (target.gluon and target.hopper and not target.interpret):
         return f"the target {target} has no Gluon kernels (an sm_90 GPU with Gluon support)"
-    if p.dtype not in ("bfloat16", "float32"):
-        return f"dtype {p.dtype} (bf16 or fp32 only)"
-    if p.d != 128 or p.e % GLUON_BE or p.n % GLUON_T:
-        return f"D={p.d}, E={p.e}, N={p.n} (D = 128, E and N multiples of {GLUON_T})"
+    if dtype not in ("bfloat16", "float32"):
+        return f"dtype {dtype} (bf16 or fp32 only)"
+    if d != 128 or e % GLUON_BE:
+        return f"D={d}, E={e} (D = 128, E a multiple of {GLUON_BE})"
+    if pow2_divisor(*row_strides) < 16 // (4 if dtype == "float32" else 2):
+        return "q/k/v rows not 16-byte aligned (their copies are 16 bytes wide)"
+    return None
+
+
+def _gluon_unfit(target: Target, p: _Prefill) -> str | None:
+    """Why the Gluon kernels do not apply to ``p`` on ``target`` (None: they do)."""
+    unfit = gluon_scope_unfit(target, p.dtype, p.d, p.e, (p.q.strides[2], p.k.strides[2], p.v.strides[2]))
+    if unfit:
+        return unfit
+    if p.n % GLUON_T:
+        return f"N={p.n} (a multiple of {GLUON_T})"
     if not p.final_only and p.block_size % GLUON_T:
         return f"block_size {p.block_size} (a multiple of {GLUON_T})"
-    elems = 16 // (4 if p.dtype == "float32" else 2)
-    if pow2_divisor(p.q.strides[2], p.k.strides[2], p.v.strides[2]) < elems:
-        return "q/k/v token rows not 16-byte aligned (their copies are 16 bytes wide)"
     # per-(b, h) offsets of the per-block states are int32 too
     states = 1 if p.final_only else cdiv(p.n, p.block_size) + 1
     if not (p.offs_32 and states * p.d * p.e < 2 ** 31):

@@ -14,11 +14,12 @@ import numpy as np
 
 from .._plan import (FLOAT_DTYPES, INT_DTYPES, ArrayInfo, Buffer, Launch, Plan, Scalar, cdiv,
                      check_config, check_dtype, check_inner_contiguous, check_ndim, check_shape,
-                     config_class, memoize, next_pow2, pow2_divisor, row_major_strides)
+                     config_class, memoize, next_pow2, row_major_strides)
 from .._target import Target
 from .plan import (BLOCK_E, BLOCK_T, DEFAULT_DOT_PRECISION, DOT_PRECISIONS, GLUON_BE, GLUON_STAGES,
                    GLUON_STAGES_MANY, GLUON_T, GLUON_TF32_WS_REGS, MIN_SEGMENT_CHUNKS, NUM_STAGES,
-                   NUM_WARPS, SEGMENT_WAVES, _aligned, _check_decay, _check_head, _full_wave)
+                   NUM_WARPS, SEGMENT_WAVES, _aligned, _check_decay, _check_head, _full_wave,
+                   gluon_scope_unfit)
 from .varlen_kernels import _lightning_varlen_kernel
 
 
@@ -284,15 +285,10 @@ LONGEST_FIRST_MAX = 64
 
 def _gluon_unfit(target: Target, p: _Varlen) -> str | None:
     """Why the Gluon varlen kernels do not apply to ``p`` on ``target`` (None: they do)."""
-    if not (target.gluon and target.hopper and not target.interpret):
-        return f"the target {target} has no Gluon kernels (an sm_90 GPU with Gluon support)"
-    if p.dtype not in ("bfloat16", "float32"):
-        return f"dtype {p.dtype} (bf16 or fp32 only)"
-    if p.d != 128 or p.e % GLUON_BE:
-        return f"D={p.d}, E={p.e} (D = 128, E a multiple of {GLUON_BE})"
-    elems = 16 // (4 if p.dtype == "float32" else 2)
-    if pow2_divisor(*(x.strides[i] for x in (p.q, p.k, p.v) for i in (0, 1))) < elems:
-        return "q/k/v token or head rows not 16-byte aligned (their copies are 16 bytes wide)"
+    rows = [x.strides[i] for x in (p.q, p.k, p.v) for i in (0, 1)]  # token and head rows
+    unfit = gluon_scope_unfit(target, p.dtype, p.d, p.e, rows)
+    if unfit:
+        return unfit
     if not p.offs_32:
         return "token offsets beyond int32"
     return None

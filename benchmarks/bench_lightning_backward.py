@@ -8,8 +8,11 @@ comparison of gpu.md) in the same run.
 Shapes: B1 H64 N4096 and B4 H64 N1024, D = E = 128, bf16 and fp32, final state
 only, loss = sum(o * dO) + sum(kv * dKV). Times: median of triton's do_bench
 (L2 flushed) for forward + backward through torch autograd, every input
-requiring grad except ed (a constant, as in MiniMax). Also checks torch vs JAX gradients bitwise and that
-the backward is bitwise deterministic. Target: ours <= 0.5x fla's time.
+requiring grad except ed (a constant, as in MiniMax); with ed constant the backward runs the
+forward's kernels (backward_plan._forward_passes). "bwd alone" times the backward plan by
+itself in both forms: the forward's kernels and the scan kernels (LightningBackwardConfig).
+Also checks torch vs JAX gradients bitwise (both forms) and that the backward is bitwise
+deterministic. Target: ours <= 0.5x fla's time.
 Imports on a CPU-only machine; running needs a CUDA GPU. ``--sweep``: the
 backward launch alone (its plan run directly) over LightningBackwardConfig's
 tiles, warps and stages at the same shapes (the measurement behind the
@@ -52,8 +55,10 @@ def run():
             t_ours = kernel_time_torch(ours)
             t_fwd = kernel_time_torch(lambda: at.lightning_attention(q.detach(), k.detach(), v.detach(),
                                                                      ed.detach(), 256, None, True))
+            t_fwd_form, t_scans = _backward_alone(q, k, v, ed, do, dkv)
             line = (f"{str(dtype)[6:]:9s} B{b} H{h} N{n} D{d}: ours fwd {t_fwd * 1e6:7.0f} us, "
-                    f"fwd+bwd {t_ours * 1e6:7.0f} us, deterministic {det}")
+                    f"fwd+bwd {t_ours * 1e6:7.0f} us, deterministic {det}; bwd alone {t_fwd_form * 1e6:7.0f} us "
+                    f"(scan kernels {t_scans * 1e6:7.0f} us)")
             print(line, flush=True)  # before fla's first call (its autotuning takes minutes)
             if chunk_simple_gla is not None:
                 qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
@@ -72,28 +77,70 @@ def run():
     _torch_vs_jax()
 
 
+def _backward_alone(q, k, v, ed, do, dkv):
+    """The backward plan by itself (final state only, ed constant): the default
+    form (the forward's kernels) and the scan kernels."""
+    import torch
+    import adapters.torch as at
+    from adapters.torch._executor import planned, run_plan
+    from core_kernels.lightning_attention import LightningBackwardConfig, plan_lightning_attention_backward
+    with torch.no_grad():
+        _, kv = at.lightning_attention(q, k, v, ed, 256, None, True)
+    arrays = dict(q=q.detach(), k=k.detach(), v=v.detach(), ed=ed, kv_history=None, kv=kv, grad_output=do,
+                  grad_kv=dkv)
+    tensors = {n_: t for n_, t in arrays.items() if t is not None}
+    times = []
+    for cfg in (None, LightningBackwardConfig() if q.dtype == torch.bfloat16 else LightningBackwardConfig(block_t=32)):
+        plan, dev = planned(plan_lightning_attention_backward, arrays, block_size=256,
+                            output_final_state_only=True, need_grad_ed=False, config=cfg)
+        times.append(kernel_time_torch(lambda: run_plan(plan, tensors, device=dev)))
+    return times
+
+
 def _torch_vs_jax():
+    """Gradients through both adapters, bitwise: ed differentiated with per-block
+    states (the scan kernels), and ed constant with a history and the final
+    state (the forward's kernels; Gluon at D = 128, N a multiple of 64)."""
     import jax
     import jax.numpy as jnp
     import torch
     import adapters.jax as aj
     import adapters.torch as at
     rng = np.random.default_rng(1)
-    b, h, n, d = 1, 8, 1000, 64
-    q, k, v = (rng.standard_normal((b, h, n, d)).astype(np.float32) * 0.3 for _ in range(3))
-    ed = rng.uniform(0.01, 0.5, h).astype(np.float32)
-    do = rng.standard_normal((b, h, n, d)).astype(np.float32)
-    tq, tk, tv, ted = (torch.tensor(x, device="cuda", requires_grad=True) for x in (q, k, v, ed))
-    o, kv = at.lightning_attention(tq, tk, tv, ted, 256, None, False)
-    tgrads = torch.autograd.grad((o * torch.tensor(do, device="cuda")).sum() + kv.sum(), (tq, tk, tv, ted))
+    for dtype, (b, h, n, d), ed_grad, final in ((np.float32, (1, 8, 1000, 64), True, False),
+                                               (np.float32, (2, 16, 4096, 128), False, True),
+                                               ("bfloat16", (2, 16, 4096, 128), False, True)):
+        cast = (lambda x: jnp.asarray(x).astype(jnp.bfloat16)) if dtype == "bfloat16" else jnp.asarray
+        q, k, v = (cast(rng.standard_normal((b, h, n, d)).astype(np.float32) * 0.3) for _ in range(3))
+        ed = rng.uniform(0.01, 0.5, h).astype(np.float32)
+        do = cast(rng.standard_normal((b, h, n, d)).astype(np.float32))
+        hist = None if not final else rng.standard_normal((b, h, d, d)).astype(np.float32)
+        dkv = rng.standard_normal((b, h, d, d) if final else (b, h, n // 256 + (n % 256 > 0) + 1, d, d))
+        dkv = dkv.astype(np.float32)
+        tq, tk, tv = (torch.from_dlpack(x).clone().requires_grad_(True) for x in (q, k, v))
+        ted = torch.tensor(ed, device="cuda", requires_grad=ed_grad)
+        thist = None if hist is None else torch.tensor(hist, device="cuda", requires_grad=True)
+        o, kv = at.lightning_attention(tq, tk, tv, ted, 256, thist, final)
+        loss = (o.float() * torch.from_dlpack(do).float()).sum() + (kv * torch.tensor(dkv, device="cuda")).sum()
+        wrt = (tq, tk, tv) + ((ted,) if ed_grad else ()) + ((thist,) if thist is not None else ())
+        tgrads = torch.autograd.grad(loss, wrt)
 
-    def loss(q, k, v, ed):
-        o, kv = aj.lightning_attention(q, k, v, ed, 256, None, False)
-        return (o * jnp.asarray(do)).sum() + kv.sum()
-    jgrads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*(jnp.asarray(x) for x in (q, k, v, ed)))
-    for name, a, j in zip(("dq", "dk", "dv", "ded"), tgrads, jgrads):
-        same = np.array_equal(a.cpu().numpy().view(np.uint32), np.asarray(j).view(np.uint32))
-        print(f"torch vs JAX {name}: {'bitwise equal' if same else 'DIFFER'}")
+        def jloss(q, k, v, ed, hist):
+            o, kv = aj.lightning_attention(q, k, v, ed, 256, hist, final)
+            return (o.astype(jnp.float32) * do.astype(jnp.float32)).sum() + (kv * jnp.asarray(dkv)).sum()
+        argnums = (0, 1, 2) + ((3,) if ed_grad else ()) + ((4,) if hist is not None else ())
+        jgrads = jax.jit(jax.grad(jloss, argnums=argnums))(q, k, v, jnp.asarray(ed),
+                                                          None if hist is None else jnp.asarray(hist))
+        names = ("dq", "dk", "dv") + (("ded",) if ed_grad else ()) + (("dhist",) if hist is not None else ())
+        verdicts = []
+        for name, a, j in zip(names, tgrads, jgrads):
+            bits = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
+            a = a.detach().view(bits).cpu().numpy()
+            j = np.asarray(j).view(np.int16 if bits == torch.int16 else np.int32)
+            verdicts.append(f"{name} {'bitwise equal' if np.array_equal(a, j) else 'DIFFER'}")
+        print(f"torch vs JAX, {np.dtype(dtype).name if dtype != 'bfloat16' else 'bfloat16'} B{b} H{h} N{n} D{d}, "
+              f"{'ed differentiated, per-block states' if ed_grad else 'ed constant, history, final state'}: "
+              + ", ".join(verdicts), flush=True)
 
 
 def sweep():

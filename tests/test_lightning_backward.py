@@ -59,12 +59,15 @@ def check(got, ref, dtype, what):
         assert_close(np.asarray(a, np.float64) / scale, r / scale, tol_dtype(dtype), f"{what} {name}")
 
 
-def torch_grads(c, ed_grad=True):
+def torch_grads(c, ed_grad=True, with_kv=True):
+    """with_kv=False: the loss ignores the returned states (no gradient reaches them)."""
     t = {n: to_torch(c[n]).requires_grad_(True) for n in ("q", "k", "v")}
     ed = to_torch(c["ed"]).requires_grad_(ed_grad)
     hist = None if c["kv_history"] is None else to_torch(c["kv_history"]).requires_grad_(True)
     o, kv = at.lightning_attention(t["q"], t["k"], t["v"], ed, c["block_size"], hist, c["final"])
-    loss = (o.float() * to_torch(c["grad_output"]).float()).sum() + (kv * to_torch(c["grad_kv"])).sum()
+    loss = (o.float() * to_torch(c["grad_output"]).float()).sum()
+    if with_kv:
+        loss = loss + (kv * to_torch(c["grad_kv"])).sum()
     loss.backward()
     return [torch_to_numpy(x.grad) if x is not None and x.grad is not None else None
             for x in (t["q"], t["k"], t["v"], hist, ed)]
@@ -111,10 +114,13 @@ def test_jax_matches_reference_and_torch_bitwise():
         assert_bitwise_equal(a, b, f"{name}: torch vs jax")
 
 
-def test_jax_ed_constant_matches_torch_bitwise():
+@pytest.mark.parametrize("name", ["hist-blocks16-D20E12", "final-hist"])
+def test_jax_ed_constant_matches_torch_bitwise(name):
     """jax.grad without ed: the custom VJP's symbolic zeros pick the backward
-    without the decay's gradient, as torch with ed not requiring grad."""
-    c = make(CASES["hist-blocks16-D20E12"], "float32", seed=5)
+    without the decay's gradient, as torch with ed not requiring grad (per-block
+    states: the scan kernels; final state only: the forward's kernels)."""
+    case = CASES[name] if name in CASES else (2, 2, 45, 16, 8, 256, True, True)
+    c = make(case, "float32", seed=5)
     j = jax_grads(c, ed_grad=False)
     assert j[4] is None
     check(j, reference(c), "float32", "jax, ed constant")
@@ -129,12 +135,76 @@ def test_deterministic_and_ed_constant():
     for a, b in zip(first, second):
         if a is not None:
             assert_bitwise_equal(a, b, "run to run")
-    without = torch_grads(c, ed_grad=False)
+    without, again = torch_grads(c, ed_grad=False), torch_grads(c, ed_grad=False)
     assert without[4] is None
-    # the decay's gradient only adds work to the dQ programs: dq, dk, dv are the same
-    for name, a, b in zip(("dq", "dk", "dv"), first[:3], without[:3]):
-        assert_bitwise_equal(a, b, f"{name} with and without the decay's gradient")
+    for a, b in zip(without, again):  # the forward's kernels (final state only, ed constant)
+        if a is not None:
+            assert_bitwise_equal(a, b, "run to run, ed constant")
     check(without, reference(c), "float32", "torch, ed constant")
+
+
+# (B, H, N, D, E, block_size, final_only, with history): the forward-kernel form's
+# cases, each with and without a gradient on the returned states
+FORWARD_FORM = {
+    "final-hist-3chunks-D24E40": (2, 3, 150, 24, 40, 256, True, True),
+    "blocks-no-state-grad": (1, 2, 70, 16, 16, 32, False, True),
+    "final-1token": (1, 2, 1, 8, 16, 256, True, True),
+}
+
+
+@pytest.mark.parametrize("with_kv", [True, False], ids=["state-grad", "no-state-grad"])
+@pytest.mark.parametrize("name", list(FORWARD_FORM))
+def test_forward_form_matches_reference(name, with_kv):
+    """ed constant: dq, dk, dv from the forward's kernels, reversed and shifted
+    (backward_plan._forward_passes), with a history and the final state's gradient."""
+    case = FORWARD_FORM[name]
+    if not case[6] and with_kv:
+        pytest.skip("gradients on per-block states take the scan kernels")
+    c = make(case, "float32", seed=7)
+    ref = lightning_attention_backward_reference(
+        c["q"], c["k"], c["v"], c["ed"], c["grad_output"].astype(np.float64), c["grad_kv"] if with_kv else None,
+        c["block_size"], c["kv_history"], c["final"])
+    check(torch_grads(c, ed_grad=False, with_kv=with_kv), ref[:4] + (None,), "float32", f"torch {name}")
+
+
+@pytest.mark.parametrize("rate", [30.0, float("inf")], ids=["s30", "s-inf"])
+def test_forward_form_extreme_decay(rate):
+    """lambda ~ 1e-13 and lambda = 0 in one head: the final state's gradient enters
+    the last token undecayed (no division by lambda), finite and right."""
+    c = make((1, 2, 70, 8, 8, 256, True, True), "float32", seed=8)
+    c["ed"] = np.array([rate, 0.1], np.float32)
+    ref = reference(c)
+    got = torch_grads(c, ed_grad=False)
+    assert all(np.isfinite(x).all() for x in got[:4])
+    check(got, ref[:4] + (None,), "float32", f"torch, s = {rate}")
+
+
+def test_backward_form_by_plan():
+    """The forward's kernels where ed is constant and no per-block state has a
+    gradient; the scan kernels otherwise, or when a LightningBackwardConfig asks."""
+    from core_kernels._plan import ArrayInfo
+    from core_kernels._target import Target
+    from core_kernels.lightning_attention import LightningBackwardConfig, plan_lightning_attention_backward
+    from core_kernels.lightning_attention.backward_kernels import _lightning_bwd_dq_kernel
+    cpu = Target("interpreter", 0, 4)
+    q = ArrayInfo.contiguous((1, 2, 50, 16), "float32")
+    ed = ArrayInfo.contiguous((2,), "float32")
+    hist = ArrayInfo.contiguous((1, 2, 16, 16), "float32")
+    blocks = ArrayInfo.contiguous((1, 2, 3, 16, 16), "float32")
+
+    def kernels(final, grad_kv, need, config=None):
+        kv = hist if final else blocks
+        plan = plan_lightning_attention_backward(cpu, q, q, q, ed, hist, kv, q, kv if grad_kv else None,
+                                                 block_size=32, output_final_state_only=final,
+                                                 need_grad_ed=need, config=config)
+        return [launch.kernel.fn.__name__ for launch in plan.launches]
+    forward = ["_state_map_kernel", "_state_map_kernel"] + ["_lightning_prefill_kernel"] * 3 + ["_state_map_kernel"]
+    assert kernels(True, True, False) == forward
+    assert kernels(False, False, False) == forward[1:]
+    scans = kernels(True, True, True)
+    assert scans[0] == _lightning_bwd_dq_kernel.fn.__name__ and "_lightning_prefill_kernel" not in scans
+    assert "_lightning_prefill_kernel" not in kernels(False, True, False)
+    assert "_lightning_prefill_kernel" not in kernels(True, True, False, LightningBackwardConfig())
 
 
 def test_opcheck_and_compile():
@@ -349,7 +419,7 @@ def test_narrow_tiles_run_at_most_four_warps():
     for (d, e), want in (((20, 12), 4), ((64, 96), 8), ((128, 128), 8)):
         q, v = ArrayInfo.contiguous((1, 2, 50, d), "bfloat16"), ArrayInfo.contiguous((1, 2, 50, e), "bfloat16")
         ed, kv = ArrayInfo.contiguous((2,), "float32"), ArrayInfo.contiguous((1, 2, d, e), "float32")
-        for config in (None, LightningBackwardConfig(num_warps=8)):
+        for config in (LightningBackwardConfig(), LightningBackwardConfig(num_warps=8)):
             plan = plan_lightning_attention_backward(h200, q, q, v, ed, None, kv, v, kv, output_final_state_only=True,
                                                      need_grad_ed=False, config=config)
             assert [launch.num_warps for launch in plan.launches] == [want] * 3, (d, e, config)

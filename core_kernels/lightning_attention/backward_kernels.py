@@ -397,3 +397,28 @@ def _lightning_bwd_decay_kernel(part_ptr, batch, num_heads, num_parts, grad_ed_p
             total += tl.load(part_ptr + row + p).to(tl.float64)
     tl.store(grad_ed_ptr + i_h, (-total).to(tl.float32))
 
+
+
+@jit
+def _state_map_kernel(src_ptr, decay_ptr, num_heads, rows, cols, stride_decay, stride_sb, stride_sh,
+                      stride_sr, dst_ptr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                      TRANSPOSE: tl.constexpr, DECAY: tl.constexpr):
+    """The backward's per-(b, h) state maps (backward_plan._forward_passes):
+    dst[b, h] = src[b, h]^T (TRANSPOSE; dst [B, H, C, R]) or lambda_h src[b, h]
+    (DECAY; dst [B, H, R, C]); src [B, H, R, C] (unit innermost stride, any
+    float dtype), dst contiguous float32. A program per (b, h, tile)."""
+    i_bh = tl.program_id(0)
+    i_b = (i_bh // num_heads).to(tl.int64)
+    i_h = (i_bh % num_heads).to(tl.int64)
+    o_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    o_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m = (o_r < rows)[:, None] & (o_c < cols)[None, :]
+    x = tl.load(src_ptr + i_b * stride_sb + i_h * stride_sh + o_r[:, None] * stride_sr + o_c[None, :],
+                mask=m, other=0.0).to(tl.float32)
+    if DECAY:
+        x = x * tl.exp(-tl.load(decay_ptr + i_h * stride_decay))
+    base = dst_ptr + i_bh.to(tl.int64) * rows * cols
+    if TRANSPOSE:
+        tl.store(base + o_c[None, :] * rows + o_r[:, None], x, mask=m)
+    else:
+        tl.store(base + o_r[:, None] * cols + o_c[None, :], x, mask=m)

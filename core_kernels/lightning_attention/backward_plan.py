@@ -1,7 +1,23 @@
 """Plan of lightning attention's backward (framework-free): dq, dk, dv, the
 starting state's and (optionally) the decay rates' gradients, from the
-forward's inputs, its returned states and the output gradients. Kernels and
-math: backward_kernels.py."""
+forward's inputs, its returned states and the output gradients.
+
+Two forms. With the decay constant, and the returned states' gradient (if
+any) on the final state alone, the three gradients are the forward recurrence
+itself on other operands (_forward_passes), so they run the forward's kernels
+(Gluon where those apply). With G_t = dL/dS_t and the reference's notation:
+
+    dq_t = S_t dO_t      = forward(q=dO, k=v, v=k, history=S_hist^T)_t
+    dv_t = k_t G_t       = reversed forward(q=k, k=q, v=dO, history=dKV, shifted)_t
+    dk_t = v_t G_t^T     = reversed forward(q=v, k=dO, v=q, history=dKV^T, shifted)_t
+    d kv_history = lambda G_0 = lambda * (the dV pass's final state)
+
+"reversed" walks the sequence from its end (G_t collects tokens u >= t),
+"shifted" lets the history (dKV, the final state's gradient) enter the first
+token walked undecayed: G_{N-1} = q^T dO + dKV, not lambda dKV. Otherwise (the
+decay's gradient, or gradients on per-block states, or a
+LightningBackwardConfig): the scan kernels of backward_kernels.py, which also
+carry the decay's tangent."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,14 +25,17 @@ import dataclasses
 from .._plan import (ArrayInfo, Buffer, Launch, Plan, Scalar, cdiv, check_config, check_dtype,
                      check_shape, config_class, memoize, next_pow2, row_major_strides)
 from .._target import Target
-from .backward_kernels import _lightning_bwd_decay_kernel, _lightning_bwd_dkv_kernel, _lightning_bwd_dq_kernel
-from .plan import (DEFAULT_DOT_PRECISION, DOT_PRECISIONS, _chunking, _validate_prefill,
-                   prefill_state_shape)
+from .backward_kernels import (_lightning_bwd_decay_kernel, _lightning_bwd_dkv_kernel, _lightning_bwd_dq_kernel,
+                               _state_map_kernel)
+from .plan import (DEFAULT_DOT_PRECISION, DOT_PRECISIONS, _chunking, _gluon_config, _gluon_launch, _triton_config,
+                   _triton_launch, _use_gluon, _validate_prefill, prefill_state_shape)
 
 
 @config_class
 class LightningBackwardConfig:
-    """block_t: tokens per chunk; block_d / block_e: the D-tile of the dq and dk
+    """The scan kernels (backward_kernels.py); passing one forces them (by
+    default they run only where the forward's kernels cannot: the decay's
+    gradient, gradients on per-block states). block_t: tokens per chunk; block_d / block_e: the D-tile of the dq and dk
     programs and the E-tile of the dv programs (powers of two >= 16);
     dot_precision: the products' input precision on the GPU for fp32/fp16
     inputs ("tf32" or "ieee"; bf16 inputs multiply in bf16); num_warps: at
@@ -69,7 +88,8 @@ def plan_lightning_attention_backward(
     None (zero). Results: "grad_q", "grad_k" [B, H, N, D], "grad_v"
     [B, H, N, E] in q's dtype; "grad_kv_history" [B, H, D, E] float32 (zeros
     when kv_history is None); "grad_ed" [H] float32 (zeros unless
-    ``need_grad_ed``). Deterministic (no atomics).
+    ``need_grad_ed``). Deterministic (no atomics). The form (the forward's
+    kernels or the scans) is the module docstring's.
     """
     check_config(config, (LightningBackwardConfig,))
     p = _validate_prefill(q, k, v, ed, kv_history, block_size, output_final_state_only)
@@ -86,6 +106,8 @@ def plan_lightning_attention_backward(
         for name in BACKWARD_RESULTS:
             buffers[name] = Buffer(buffers[name].shape, buffers[name].dtype, zero_init=True)
         return Plan(buffers, (), BACKWARD_RESULTS)
+    if config is None and not need_grad_ed and (grad_kv is None or p.final_only):
+        return Plan(buffers, _forward_passes(target, p, grad_output, grad_kv, buffers), BACKWARD_RESULTS)
     # chunks laid out per returned state block, as the forward's (kernels.py)
     block_len, chunks, _, num_chunks = _chunking(p, c.block_t)
     strides = {n: info.strides[:3] for n, info in (("q", p.q), ("k", p.k), ("v", p.v), ("o", grad_output))}
@@ -94,6 +116,55 @@ def plan_lightning_attention_backward(
     launches = _launches(target, c, buffers, dims, strides, walk, chunks, p.kv_history, kv_shape,
                          grad_kv is not None, p.final_only, need_grad_ed, varlen=False)
     return Plan(buffers, launches, BACKWARD_RESULTS)
+
+
+def _forward_passes(target, p, grad_output: ArrayInfo, grad_kv: ArrayInfo | None, buffers: dict) -> tuple:
+    """dq, dv, dk as three launches of the forward prefill's kernel (the module
+    docstring's identities), each planned as the forward plans it (Gluon where
+    it applies) and its buffers renamed; plus the state maps around them:
+    S_hist^T and dKV^T before, lambda * (the dV pass's final state) after.
+    Adds the scratch to ``buffers``."""
+    launches = []
+
+    def state_map(src, info, dst, transpose):
+        rows, cols = info.shape[2], info.shape[3]
+        buffers[dst] = Buffer((p.b, p.h, cols, rows) if transpose else (p.b, p.h, rows, cols), "float32")
+        launches.append(Launch(
+            kernel=_state_map_kernel, grid=(p.b * p.h, cdiv(rows, 64), cdiv(cols, 64)),
+            params=dict(src_ptr=src, decay_ptr="ed", num_heads=Scalar(p.h), rows=Scalar(rows),
+                        cols=Scalar(cols), stride_decay=Scalar(p.ed.strides[0]),
+                        **{f"stride_s{a}": Scalar(int(x), "i64" if abs(int(x)) >= 2 ** 31 else "i32")
+                           for a, x in zip("bhr", info.strides[:3])},
+                        dst_ptr=dst),
+            writes=("dst_ptr",), constexprs=dict(BLOCK_R=64, BLOCK_C=64, TRANSPOSE=transpose, DECAY=not transpose),
+            num_warps=4, num_stages=1))
+        return ArrayInfo.contiguous(buffers[dst].shape, "float32")
+
+    hist_t = None if p.kv_history is None else state_map("kv_history", p.kv_history, "kv_history_t", True)
+    dkv_t = None if grad_kv is None else state_map("grad_kv", grad_kv, "grad_kv_t", True)
+    # (result, q', k', v', history, reversed): names and infos
+    passes = (("grad_q", ("grad_output", grad_output), ("v", p.v), ("k", p.k), ("kv_history_t", hist_t), False),
+              ("grad_v", ("k", p.k), ("q", p.q), ("grad_output", grad_output), ("grad_kv", grad_kv), True),
+              ("grad_k", ("v", p.v), ("grad_output", grad_output), ("q", p.q), ("grad_kv_t", dkv_t), True))
+    for out, (qn, qi), (kn, ki), (vn, vi), (hn, hi), reverse in passes:
+        f = _validate_prefill(qi, ki, vi, p.ed, hi, p.block_size, True)
+        shift = reverse and hi is not None
+        if _use_gluon(target, f, None):
+            bufs, launch = _gluon_launch(f, _gluon_config(target, f, None), reverse, shift)
+        else:
+            bufs, launch = _triton_launch(target, f, _triton_config(target, f, None), reverse, shift)
+        names = {"q": qn, "k": kn, "v": vn, "kv_history": hn, "output": out, "kv": f"{out}_state",
+                 "seg_state": f"{out}_seg_state", "sync": f"{out}_sync"}
+        for name, buf in bufs.items():
+            buffers[names[name]] = buf
+        launches.append(Launch(kernel=launch.kernel, grid=launch.grid,
+                               params={n: names.get(x, x) if isinstance(x, str) else x
+                                       for n, x in launch.params.items()},
+                               writes=launch.writes, constexprs=launch.constexprs, num_warps=launch.num_warps,
+                               num_stages=launch.num_stages))
+    if p.kv_history is not None:  # d kv_history = lambda G_0
+        state_map("grad_v_state", ArrayInfo.contiguous((p.b, p.h, p.d, p.e), "float32"), "grad_kv_history", False)
+    return tuple(launches)
 
 
 def _check_gradients(grad_output, out_shape, out_layout, dtype, kv, grad_kv, kv_shape, kv_layout):

@@ -85,10 +85,13 @@ def _prologue(q_ring, k_ring, v_ring, c_lo, c_hi, base_q, base_k, base_v, offs_q
 def _program(sync_ptr, num_heads, num_rows, seq_len, seg_chunks, decay_ptr, stride_decay,
              q_ptr, k_ptr, v_ptr, o_ptr, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb,
              stride_vh, T: gl.constexpr, E: gl.constexpr, BE: gl.constexpr, ALIGN: gl.constexpr,
-             SEGMENTED: gl.constexpr):
+             SEGMENTED: gl.constexpr, STRIDE_QT: gl.constexpr, STRIDE_KT: gl.constexpr,
+             STRIDE_VT: gl.constexpr, REVERSE: gl.constexpr):
     """This program's (segment, b, h, E-tile), chunk range [c_lo, c_hi) (c_lo is a
     multiple of the ring depth: ring slot = chunk % STAGES), decay rate and the
-    q, k, v, o bases of its (b, h, E-tile) (strides arrive divided by ALIGN).
+    q, k, v, o bases of its (b, h, E-tile) (strides arrive divided by ALIGN;
+    REVERSE: the bases of the sequence's last token, walked with the negated
+    token strides of _signed; int32 offsets, as the planner checks).
 
     Segmented: programs take tickets from an atomic counter, segment-major, so a
     program only ever waits for one that started before it (no deadlock,
@@ -118,6 +121,10 @@ def _program(sync_ptr, num_heads, num_rows, seq_len, seg_chunks, decay_ptr, stri
     base_k = k_ptr + (i_b * (stride_kb * ALIGN) + i_h * (stride_kh * ALIGN))
     base_v = v_ptr + (i_b * (stride_vb * ALIGN) + i_h * (stride_vh * ALIGN) + e0)
     base_o = o_ptr + (i_bh.to(gl.int64) * seq_len * E + e0)
+    if REVERSE:
+        last = seq_len - 1
+        base_q, base_k, base_v, base_o = (base_q + last * STRIDE_QT, base_k + last * STRIDE_KT,
+                                          base_v + last * STRIDE_VT, base_o + last * E)
     return (ticket, per_seg, seg, i_bh, i_b, i_h, e0, s, c_lo, c_hi, num_chunks, base_q, base_k, base_v,
             base_o)
 
@@ -195,6 +202,12 @@ def _chain(b_s, b_l, s, ticket, per_seg, seg, num_segments, seg_tokens, sync_ptr
     return b_s
 
 
+@gluon.constexpr_function
+def _signed(stride, reverse):
+    """A token stride as the kernel walks it: negated when REVERSE."""
+    return -stride if reverse else stride
+
+
 @gluon.jit
 def _exp2_ftz(x):
     """2^x as one MUFU.EX2 (ex2.approx.ftz): results below fp32's normal range are
@@ -256,16 +269,20 @@ def _segment_start(b_s, k_ring, v_ring, stage_smem, base_k, base_v, offs_k, offs
                    i_bh, e0, offs_s, T: gl.constexpr, D: gl.constexpr, E: gl.constexpr,
                    BE: gl.constexpr, STAGES: gl.constexpr, STRIDE_KT: gl.constexpr,
                    STRIDE_VT: gl.constexpr, ld_v: gl.constexpr, a_op: gl.constexpr,
-                   mma_te: gl.constexpr, TF32: gl.constexpr):
+                   mma_te: gl.constexpr, TF32: gl.constexpr, HIST_SHIFT: gl.constexpr = False):
     """A segment's starting state: its own contribution (_segment_sum; the last
     segment needs none), then the hand-over (_chain) through this (b, h,
-    E-tile)'s slice of pub_ptr."""
+    E-tile)'s slice of pub_ptr. HIST_SHIFT: the first segment's starting state
+    (the history) decays by one token less (see _gluon_prefill_kernel)."""
     b_l = gl.zeros([D, BE], gl.float32, layout=mma_te)
     if seg < num_segments - 1:
         b_l = _segment_sum(k_ring, v_ring, stage_smem, base_k, base_v, offs_k, offs_v, c_lo, c_hi,
                            k_decay, chunk_decay, T, D, BE, STAGES, STRIDE_KT, STRIDE_VT, ld_v, a_op,
                            mma_te, TF32)
-    return _chain(b_s, b_l, s, ticket, per_seg, seg, num_segments, ((c_hi - c_lo) * T).to(gl.float32),
+    seg_tokens = ((c_hi - c_lo) * T).to(gl.float32)
+    if HIST_SHIFT:
+        seg_tokens = seg_tokens - (seg == 0).to(gl.float32)
+    return _chain(b_s, b_l, s, ticket, per_seg, seg, num_segments, seg_tokens,
                   sync_ptr, pub_ptr + (i_bh.to(gl.int64) * num_segments * D * E + e0), offs_s, D, E)
 
 
@@ -337,9 +354,13 @@ def _bf16_chunks(b_s, q_ring, k_ring, v_ring, s_smem, vd_smem, c_lo, c_hi, kv_ba
                  STAGES: gl.constexpr, BLOCK_CHUNKS: gl.constexpr, STRIDE_QT: gl.constexpr,
                  STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr, STRIDE_OT: gl.constexpr,
                  ld_v: gl.constexpr, mma_tt: gl.constexpr, mma_te: gl.constexpr, p_op: gl.constexpr,
-                 seq_len=0, s=0.0, r_qk=None, r_v=None, MASKED: gl.constexpr = False):
+                 seq_len=0, s=0.0, r_qk=None, r_v=None, MASKED: gl.constexpr = False,
+                 q_decay0=None, chunk_decay0=None, HIST_SHIFT: gl.constexpr = False):
     """The bf16 main loop over chunks [c_lo, c_hi) from state b_s; returns the
     end state. o rows are STRIDE_OT apart (offs_o: a chunk's offsets).
+    HIST_SHIFT: chunk 0 (the sequence's first) decays its starting state by
+    q_decay0 = lambda^i and chunk_decay0 = lambda^(T-1) (see
+    _gluon_prefill_kernel).
     MASKED (varlen): the last chunk may hold fewer than T of the sequence's
     seq_len tokens; its loads stop there (zero-filled), its decays are those
     of its length n (v rows by lambda^(n-1-j), the state by lambda^n) and only
@@ -372,6 +393,10 @@ def _bf16_chunks(b_s, q_ring, k_ring, v_ring, s_smem, vd_smem, c_lo, c_hi, kv_ba
         else:
             kd = k_decay
             cd = chunk_decay
+        qd = q_decay
+        if HIST_SHIFT:
+            qd = gl.where(c == 0, q_decay0, q_decay)
+            cd = gl.where(c == 0, chunk_decay0, cd)
         # operands made in registers: the state (for q S) and the decayed v (for k^T v_d)
         s_smem.store(b_s.to(gl.bfloat16))
         b_v = v_s.load(ld_v).to(gl.float32)
@@ -389,7 +414,7 @@ def _bf16_chunks(b_s, q_ring, k_ring, v_ring, s_smem, vd_smem, c_lo, c_hi, kv_ba
         acc_pv = warpgroup_mma(p, v_s, zero_te, use_acc=False, is_async=True)
         acc_qs, acc_s, acc_pv = warpgroup_mma_wait(num_outstanding=0, deps=(acc_qs, acc_s, acc_pv))
         b_s = acc_s
-        b_o = gl.convert_layout((acc_pv + acc_qs * q_decay[:, None]).to(gl.bfloat16), ld_v)
+        b_o = gl.convert_layout((acc_pv + acc_qs * qd[:, None]).to(gl.bfloat16), ld_v)
         if MASKED and n < T:  # a partial chunk (varlen)
             gl.store(base_o + c * T * STRIDE_OT + offs_o, b_o, mask=(r_v < n)[:, None])
         else:
@@ -408,6 +433,7 @@ def _gluon_prefill_kernel(
     T: gl.constexpr, D: gl.constexpr, E: gl.constexpr, BE: gl.constexpr, STAGES: gl.constexpr,
     BLOCK_CHUNKS: gl.constexpr, HAS_HISTORY: gl.constexpr, SEGMENTED: gl.constexpr,
     ALIGN: gl.constexpr, STRIDE_QT: gl.constexpr, STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr,
+    REVERSE: gl.constexpr, HIST_SHIFT: gl.constexpr,
 ):
     """One program per (segment, b, h, E-tile), 4 warps (one warpgroup).
 
@@ -428,6 +454,9 @@ def _gluon_prefill_kernel(
     needed its own register across the loop (140 bytes/thread of spills, and a
     112-byte spill made the prototype 2x slower); as constants they fold into
     the address immediates.
+    For the backward (backward_plan.py), as kernels.py's: REVERSE walks each
+    sequence from its last token (bases at that token, negated token strides),
+    HIST_SHIFT lets the history enter the first token undecayed.
     """
     ld_v: gl.constexpr = _bf16_layout("ld_v", T, D, BE)
     mma_tt: gl.constexpr = _bf16_layout("mma_tt", T, D, BE)
@@ -437,11 +466,21 @@ def _gluon_prefill_kernel(
     (ticket, per_seg, seg, i_bh, i_b, i_h, e0, s, c_lo, c_hi, num_chunks, base_q, base_k, base_v,
      base_o) = _program(sync_ptr, num_heads, num_rows, seq_len, seg_chunks, decay_ptr, stride_decay,
                         q_ptr, k_ptr, v_ptr, o_ptr, stride_qb, stride_qh, stride_kb, stride_kh,
-                        stride_vb, stride_vh, T, E, BE, ALIGN, SEGMENTED)
+                        stride_vb, stride_vh, T, E, BE, ALIGN, SEGMENTED, STRIDE_QT, STRIDE_KT, STRIDE_VT,
+                        REVERSE)
+    SQT: gl.constexpr = _signed(STRIDE_QT, REVERSE)
+    SKT: gl.constexpr = _signed(STRIDE_KT, REVERSE)
+    SVT: gl.constexpr = _signed(STRIDE_VT, REVERSE)
+    SOT: gl.constexpr = _signed(E, REVERSE)
 
     (q_ring, k_ring, v_ring, s_smem, vd_smem, offs_q, offs_k, offs_v, r_qk, r_v,
-     c_v) = _bf16_buffers(T, D, BE, STAGES, STRIDE_QT, STRIDE_KT, STRIDE_VT)
+     c_v) = _bf16_buffers(T, D, BE, STAGES, SQT, SKT, SVT)
     q_decay, k_decay, causal, chunk_decay = _bf16_decays(s, r_v, T, mma_tt, mma_te)
+    q_decay0 = None
+    chunk_decay0 = None
+    if HIST_SHIFT:
+        q_decay0 = gl.exp(-s * gl.arange(0, T, layout=gl.SliceLayout(1, mma_te)).to(gl.float32))
+        chunk_decay0 = gl.exp(-s * (T - 1))
 
     b_s, kv_base, r_s, c_s, offs_s = _start_state(history_ptr, kv_ptr, i_b, i_h, i_bh, e0, num_chunks,
                                                   stride_hb, stride_hh, stride_hd, D, E, BE, ALIGN,
@@ -449,12 +488,13 @@ def _gluon_prefill_kernel(
     if SEGMENTED:
         b_s = _segment_start(b_s, k_ring, v_ring, vd_smem, base_k, base_v, offs_k, offs_v, c_lo, c_hi,
                              k_decay, chunk_decay, s, ticket, per_seg, seg, num_segments, sync_ptr, pub_ptr,
-                             i_bh, e0, offs_s, T, D, E, BE, STAGES, STRIDE_KT, STRIDE_VT, ld_v, p_op,
-                             mma_te, False)
+                             i_bh, e0, offs_s, T, D, E, BE, STAGES, SKT, SVT, ld_v, p_op,
+                             mma_te, False, HIST_SHIFT)
     b_s = _bf16_chunks(b_s, q_ring, k_ring, v_ring, s_smem, vd_smem, c_lo, c_hi, kv_base, offs_s, base_q,
-                       base_k, base_v, base_o, offs_q, offs_k, offs_v, r_v[:, None] * E + c_v[None, :],
+                       base_k, base_v, base_o, offs_q, offs_k, offs_v, r_v[:, None] * SOT + c_v[None, :],
                        q_decay, k_decay, causal, chunk_decay, T, D, E, BE, STAGES, BLOCK_CHUNKS,
-                       STRIDE_QT, STRIDE_KT, STRIDE_VT, E, ld_v, mma_tt, mma_te, p_op)
+                       SQT, SKT, SVT, SOT, ld_v, mma_tt, mma_te, p_op,
+                       q_decay0=q_decay0, chunk_decay0=chunk_decay0, HIST_SHIFT=HIST_SHIFT)
     _store_final(b_s, kv_base, offs_s, seg, num_segments, num_chunks, D, E, BLOCK_CHUNKS)
 
 
@@ -464,7 +504,7 @@ def _tf32_state_partition(b_s, q_ring, k_ring, v_ring, st_buf, vt_buf, ready, st
                           s_log2, chunk_decay, T: gl.constexpr, D: gl.constexpr, E: gl.constexpr,
                           BLOCK_CHUNKS: gl.constexpr, STRIDE_QT: gl.constexpr, STRIDE_KT: gl.constexpr,
                           STRIDE_VT: gl.constexpr, ld_vt: gl.constexpr, a_s: gl.constexpr, seq_len=0,
-                          r_qk=None, r_v=None, MASKED: gl.constexpr = False):
+                          r_qk=None, r_v=None, MASKED: gl.constexpr = False, HIST_SHIFT: gl.constexpr = False):
     """Warp-specialised fp32 prefill, the state warpgroup (the default partition):
     issues every load (a 2-deep ring), makes the operands the output warpgroup
     reads (v^T into vt_buf[i % 2], S^T into st_buf) and signals ready[i % 2],
@@ -497,6 +537,9 @@ def _tf32_state_partition(b_s, q_ring, k_ring, v_ring, st_buf, vt_buf, ready, st
             n_tok = gl.minimum(seq_len - c * T, T)
             b_s = b_s * gl.where(n_tok == T, chunk_decay, _exp2_ftz(n_tok.to(gl.float32) * s_log2))
             k_decay = gl.where(t_a < n_tok, _exp2_ftz((n_tok - 1 - t_a).to(gl.float32) * s_log2), 0.0)
+        elif HIST_SHIFT:  # chunk 0 decays the history by lambda^(T-1) (see the kernel)
+            b_s = b_s * gl.where(c == 0, _exp2_ftz((T - 1) * s_log2), chunk_decay)
+            k_decay = _exp2_ftz((T - 1 - t_a).to(gl.float32) * s_log2)
         else:
             b_s = b_s * chunk_decay
             k_decay = _exp2_ftz((T - 1 - t_a).to(gl.float32) * s_log2)
@@ -518,7 +561,7 @@ def _tf32_state_partition(b_s, q_ring, k_ring, v_ring, st_buf, vt_buf, ready, st
 def _tf32_output_partition(q_ring, k_ring, st_buf, vt_buf, ready, st_free, vt_free, ring_free, c_lo, c_hi,
                            base_o, s_log2, T: gl.constexpr, E: gl.constexpr, BE: gl.constexpr,
                            mma_te: gl.constexpr, a_op: gl.constexpr, STRIDE_OT: gl.constexpr,
-                           seq_len=0, MASKED: gl.constexpr = False):
+                           seq_len=0, MASKED: gl.constexpr = False, HIST_SHIFT: gl.constexpr = False):
     """Warp-specialised fp32 prefill, the output warpgroup (a worker partition):
     o = (q k^T * M) v + (q S) * lambda^(i+1) for each chunk, from the operands
     the state warpgroup made (see _tf32_state_partition); o rows STRIDE_OT
@@ -544,7 +587,10 @@ def _tf32_output_partition(q_ring, k_ring, st_buf, vt_buf, ready, st_free, vt_fr
         gl.thread_barrier()
         mbarrier.arrive(st_free.index(0), count=1)
         mbarrier.arrive(ring_free.index(slot), count=1)
-        b_o = acc_qs * q_decay[:, None]
+        if HIST_SHIFT:  # chunk 0: the history by lambda^i (see the kernel)
+            b_o = acc_qs * gl.where(c == 0, _exp2_ftz(t_te.to(gl.float32) * s_log2), q_decay)[:, None]
+        else:
+            b_o = acc_qs * q_decay[:, None]
         diff = i_tt[:, None] - j_tt[None, :]
         p = gl.where(diff >= 0, acc_qk * _exp2_ftz(diff * s_log2), 0.0)
         p = gl.convert_layout(p, a_op)
@@ -602,7 +648,7 @@ def _tf32_loop(b_s, q_ring, k_ring, v_ring, st_buf, vt_buf, c_lo, c_hi, kv_base,
                E: gl.constexpr, BE: gl.constexpr, BLOCK_CHUNKS: gl.constexpr, STRIDE_QT: gl.constexpr,
                STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr, STRIDE_OT: gl.constexpr,
                ld_vt: gl.constexpr, a_op: gl.constexpr, mma_te: gl.constexpr, WS_REGS: gl.constexpr,
-               seq_len=0, r_qk=None, r_v=None, MASKED: gl.constexpr = False):
+               seq_len=0, r_qk=None, r_v=None, MASKED: gl.constexpr = False, HIST_SHIFT: gl.constexpr = False):
     """The fp32 main loop over chunks [c_lo, c_hi): the state and output
     warpgroups side by side (see the partitions); returns the end state."""
     # one arrival completes each barrier's phase (see the partitions for who arrives)
@@ -619,10 +665,10 @@ def _tf32_loop(b_s, q_ring, k_ring, v_ring, st_buf, vt_buf, c_lo, c_hi, kv_base,
         (_tf32_state_partition, (b_s, q_ring, k_ring, v_ring, st_buf, vt_buf, ready, st_free, vt_free,
                                  ring_free, c_lo, c_hi, kv_base, r_s, c_s, base_q, base_k, base_v, offs_q,
                                  offs_k, offs_v, s_log2, chunk_decay, T, D, E, BLOCK_CHUNKS, STRIDE_QT,
-                                 STRIDE_KT, STRIDE_VT, ld_vt, a_op, seq_len, r_qk, r_v, MASKED)),
+                                 STRIDE_KT, STRIDE_VT, ld_vt, a_op, seq_len, r_qk, r_v, MASKED, HIST_SHIFT)),
         (_tf32_output_partition, (q_ring, k_ring, st_buf, vt_buf, ready, st_free, vt_free, ring_free, c_lo,
                                   c_hi, base_o, s_log2, T, E, BE, mma_te, a_op, STRIDE_OT, seq_len,
-                                  MASKED)),
+                                  MASKED, HIST_SHIFT)),
     ], [4], [WS_REGS])[0]
 
 
@@ -636,7 +682,7 @@ def _gluon_prefill_tf32_kernel(
     T: gl.constexpr, D: gl.constexpr, E: gl.constexpr, BE: gl.constexpr, STAGES: gl.constexpr,
     BLOCK_CHUNKS: gl.constexpr, HAS_HISTORY: gl.constexpr, SEGMENTED: gl.constexpr,
     ALIGN: gl.constexpr, STRIDE_QT: gl.constexpr, STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr,
-    WS_REGS: gl.constexpr,
+    WS_REGS: gl.constexpr, REVERSE: gl.constexpr, HIST_SHIFT: gl.constexpr,
 ):
     """_gluon_prefill_kernel for fp32 inputs: every product in tf32 (fp32 accumulation).
 
@@ -653,6 +699,7 @@ def _gluon_prefill_tf32_kernel(
     the state update) and the output warpgroup (_tf32_output_partition, a
     worker of WS_REGS registers per thread) run side by side, handing the
     ring slots and copies over through mbarriers. STAGES must be 2.
+    REVERSE, HIST_SHIFT: as _gluon_prefill_kernel's.
     """
     ld_vt: gl.constexpr = _tf32_layout("ld_vt", T, D, BE)
     mma_te: gl.constexpr = _tf32_layout("mma_te", T, D, BE)
@@ -663,10 +710,15 @@ def _gluon_prefill_tf32_kernel(
     (ticket, per_seg, seg, i_bh, i_b, i_h, e0, s, c_lo, c_hi, num_chunks, base_q, base_k, base_v,
      base_o) = _program(sync_ptr, num_heads, num_rows, seq_len, seg_chunks, decay_ptr, stride_decay,
                         q_ptr, k_ptr, v_ptr, o_ptr, stride_qb, stride_qh, stride_kb, stride_kh,
-                        stride_vb, stride_vh, T, E, BE, ALIGN, SEGMENTED)
+                        stride_vb, stride_vh, T, E, BE, ALIGN, SEGMENTED, STRIDE_QT, STRIDE_KT, STRIDE_VT,
+                        REVERSE)
+    SQT: gl.constexpr = _signed(STRIDE_QT, REVERSE)
+    SKT: gl.constexpr = _signed(STRIDE_KT, REVERSE)
+    SVT: gl.constexpr = _signed(STRIDE_VT, REVERSE)
+    SOT: gl.constexpr = _signed(E, REVERSE)
 
     q_ring, k_ring, v_ring, st_buf, vt_buf, offs_q, offs_k, offs_v = _tf32_buffers(
-        T, D, BE, STAGES, STRIDE_QT, STRIDE_KT, STRIDE_VT)[:8]
+        T, D, BE, STAGES, SQT, SKT, SVT)[:8]
     t_a = gl.arange(0, T, layout=gl.SliceLayout(0, a_op))
     chunk_decay = gl.exp(-s * T)
     s_log2 = -s * 1.4426950408889634  # lambda^x = 2^(x * s_log2)
@@ -678,11 +730,11 @@ def _gluon_prefill_tf32_kernel(
         b_s = _segment_start(b_s, k_ring, v_ring, vt_buf.index(0), base_k, base_v, offs_k, offs_v, c_lo,
                              c_hi, _exp2_ftz((T - 1 - t_a).to(gl.float32) * s_log2), chunk_decay, s, ticket,
                              per_seg, seg, num_segments, sync_ptr, pub_ptr, i_bh, e0, offs_s, T, D, E, BE,
-                             STAGES, STRIDE_KT, STRIDE_VT, ld_vt, a_op, mma_te, True)
+                             STAGES, SKT, SVT, ld_vt, a_op, mma_te, True, HIST_SHIFT)
 
     b_s = _tf32_loop(b_s, q_ring, k_ring, v_ring, st_buf, vt_buf, c_lo, c_hi, kv_base, r_s, c_s, base_q, base_k,
                      base_v, base_o, offs_q, offs_k, offs_v, s_log2, chunk_decay, T, D, E, BE, BLOCK_CHUNKS,
-                     STRIDE_QT, STRIDE_KT, STRIDE_VT, E, ld_vt, a_op, mma_te, WS_REGS)
+                     SQT, SKT, SVT, SOT, ld_vt, a_op, mma_te, WS_REGS, HIST_SHIFT=HIST_SHIFT)
     _store_final(b_s, kv_base, offs_s, seg, num_segments, num_chunks, D, E, BLOCK_CHUNKS)
 
 

@@ -176,15 +176,32 @@ def _chunk_step(q_ptr, k_ptr, v_ptr, o_ptr, base_q, base_k, base_v, base_o,
                 stride_qt, stride_kt, stride_vt, stride_ot, t0, n_valid, seq_len, b_s, s,
                 o_t, o_d, o_e, m_d, m_e, q_decay, causal_decay,
                 DOT_BF16: tl.constexpr, SPLIT_STATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                EVEN_D: tl.constexpr, EVEN_E: tl.constexpr, OFFS_64: tl.constexpr):
+                EVEN_D: tl.constexpr, EVEN_E: tl.constexpr, OFFS_64: tl.constexpr,
+                REVERSE: tl.constexpr, HIST_SHIFT: tl.constexpr):
     """One chunk of BLOCK_T tokens t0 .. t0 + n_valid - 1 of a sequence: stores
     their outputs o = (q k^T * decay) v + (q S) * q_decay and returns the state
     after them. ``b_s`` [D, E] is the state before the chunk; ``q_decay`` [T]
     and ``causal_decay`` [T, T] are the chunk-independent decay factors. Shared
-    by the prefill and the varlen prefill kernels."""
+    by the prefill and the varlen prefill kernels.
+    REVERSE: token t is the sequence's row seq_len - 1 - t (the sequence walked
+    from its end; rows in memory keep their order within a token). HIST_SHIFT:
+    the starting state enters the first token undecayed (in the sequence's
+    first chunk, t0 = 0: that chunk runs from S0 / lambda); see
+    _lightning_prefill_kernel."""
     rows = t0 + o_t
     m_t = o_t < n_valid
     rows_in = tl.minimum(rows, seq_len - 1)  # valid memory; their outputs are not stored
+    if REVERSE:
+        rows_in = seq_len - 1 - rows_in
+        rows_out = seq_len - 1 - rows  # negative past the end: masked below
+    else:
+        rows_out = rows
+    if HIST_SHIFT:
+        shift = (t0 == 0) * 1  # (an int under the interpreter, a tensor compiled)
+        q_decay = tl.exp(-s * (o_t + 1 - shift).to(tl.float32))
+        n_decay = n_valid - shift
+    else:
+        n_decay = n_valid
     b_q = _load_tile(q_ptr, base_q, rows_in, stride_qt, o_d, m_d, EVEN_D, OFFS_64)   # [T, D]
     b_k = _load_tile(k_ptr, base_k, rows_in, stride_kt, o_d, m_d, EVEN_D, OFFS_64)   # [T, D]
     b_v = _load_tile(v_ptr, base_v, rows_in, stride_vt, o_e, m_e, EVEN_E, OFFS_64)   # [T, E]
@@ -199,10 +216,10 @@ def _chunk_step(q_ptr, k_ptr, v_ptr, o_ptr, base_q, base_k, base_v, base_o,
     b_a = _operand(b_qk * causal_decay, DOT_BF16)
     b_o = tl.dot(b_a, _operand(b_v, DOT_BF16), input_precision=DOT_PRECISION)  # [T, E]
     b_o += tl.dot(b_q, _operand(b_s, DOT_BF16), input_precision=DOT_PRECISION) * q_decay[:, None]
-    b_s = b_s * tl.exp(-s * n_valid.to(tl.float32))
+    b_s = b_s * tl.exp(-s * n_decay.to(tl.float32))
     b_s = _state_product(b_k, b_v.to(tl.float32) * k_decay[:, None], b_s, DOT_BF16,  # [D, E]
                          SPLIT_STATE, DOT_PRECISION)
-    p_o = (o_ptr + base_o) + _row_offsets(rows, stride_ot, OFFS_64)[:, None] + o_e[None, :]
+    p_o = (o_ptr + base_o) + _row_offsets(rows_out, stride_ot, OFFS_64)[:, None] + o_e[None, :]
     tl.store(p_o, b_o.to(o_ptr.dtype.element_ty), mask=m_t[:, None] & m_e[None, :])
     return b_s
 
@@ -213,7 +230,7 @@ def _segment_contribution(k_ptr, v_ptr, base_k, base_v, stride_kt, stride_vt, s,
                           BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
                           EVEN_D: tl.constexpr, EVEN_E: tl.constexpr,
                           DOT_BF16: tl.constexpr, SPLIT_STATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                          OFFS_64: tl.constexpr):
+                          OFFS_64: tl.constexpr, REVERSE: tl.constexpr):
     """sum_t lambda^(seg_t1-1-t) k_t^T v_t over tokens [seg_t0, seg_t1), from a zero state.
 
     The segment's tokens are one contiguous run whatever the chunk and block
@@ -227,6 +244,8 @@ def _segment_contribution(k_ptr, v_ptr, base_k, base_v, stride_kt, stride_vt, s,
     for t0 in tl.range(seg_t0, seg_t1, P1_T, num_stages=P1_STAGES):
         n_valid = tl.minimum(seg_t1 - t0, P1_T)
         rows_in = tl.minimum(t0 + o_t, seq_len - 1)
+        if REVERSE:  # as _chunk_step
+            rows_in = seq_len - 1 - rows_in
         b_k = _load_tile(k_ptr, base_k, rows_in, stride_kt, o_d, m_d, EVEN_D, OFFS_64)
         b_v = _load_tile(v_ptr, base_v, rows_in, stride_vt, o_e, m_e, EVEN_E, OFFS_64)
         k_decay = tl.where(o_t < n_valid, tl.exp(-s * (n_valid - 1 - o_t).to(tl.float32)), 0.0)
@@ -255,6 +274,7 @@ def _lightning_prefill_kernel(
     STORE_BLOCK_STATES: tl.constexpr, PUBLISH_IN_KV: tl.constexpr, SEGMENTED: tl.constexpr,
     DOT_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr, OFFS_64: tl.constexpr,
     P1_T: tl.constexpr, P1_STAGES: tl.constexpr, SPLIT_STATE: tl.constexpr,
+    REVERSE: tl.constexpr, HIST_SHIFT: tl.constexpr,
 ):
     """One program per (segment, b, h, E-tile), segments in launch order.
 
@@ -270,6 +290,14 @@ def _lightning_prefill_kernel(
     scheduling, and in order under the interpreter.
     The published end states are the returned per-block states when those are
     requested (PUBLISH_IN_KV), otherwise a scratch buffer.
+
+    Two variants serve the backward (backward_plan.py), which runs this
+    recurrence on other operands: REVERSE walks every sequence from its last
+    token to its first (token t is row seq_len - 1 - t of q, k, v and o), and
+    HIST_SHIFT lets the starting state enter the first token undecayed
+    (S_0 = S_hist + k_0^T v_0, then as above): the first chunk decays it by
+    lambda^i instead of lambda^(i+1), and the first segment's end by
+    lambda^(len-1). Without them the code is the plain prefill's.
     """
     # NOTE: integer arguments follow the package's policy (core_kernels._triton_utils.jit):
     # the strides arrive divided by their alignment group ALIGN and are multiplied
@@ -333,7 +361,7 @@ def _lightning_prefill_kernel(
             b_l = _segment_contribution(k_ptr, v_ptr, base_k, base_v, stride_kt, stride_vt, s, seq_len,
                                         seg_t0, seg_t1, o_d, o_e, m_d, m_e, P1_T, P1_STAGES,
                                         BLOCK_D, BLOCK_E, EVEN_D, EVEN_E, DOT_BF16, SPLIT_STATE,
-                                        DOT_PRECISION, OFFS_64)
+                                        DOT_PRECISION, OFFS_64, REVERSE)
         if i_p > 0:  # look back: wait for the previous segment's end state
             p_flag = sync_ptr + 1 + ticket - per_seg
             ready = tl.atomic_add(p_flag, 0, sem="acquire")
@@ -344,6 +372,8 @@ def _lightning_prefill_kernel(
                           cache_modifier=".cg")
         if i_p < num_segments - 1:  # publish this segment's end state, then raise its flag
             seg_len = (blocks_per_seg * block_len).to(tl.float32)
+            if HIST_SHIFT:
+                seg_len = seg_len - (i_p == 0).to(tl.float32)
             b_end = b_s * tl.exp(-s * seg_len) + b_l
             offs = i_p * stride_pp + o_d.to(tl.int64)[:, None] * stride_pd + o_e[None, :]
             tl.store(p_pub + offs, b_end, mask=m_d[:, None] & m_e[None, :])
@@ -370,7 +400,8 @@ def _lightning_prefill_kernel(
         b_s = _chunk_step(q_ptr, k_ptr, v_ptr, o_ptr, base_q, base_k, base_v, base_o,
                           stride_qt, stride_kt, stride_vt, stride_ot, t0, n_valid, seq_len, b_s, s,
                           o_t, o_d, o_e, m_d, m_e, q_decay, causal_decay,
-                          DOT_BF16, SPLIT_STATE, DOT_PRECISION, EVEN_D, EVEN_E, OFFS_64)
+                          DOT_BF16, SPLIT_STATE, DOT_PRECISION, EVEN_D, EVEN_E, OFFS_64, REVERSE,
+                          HIST_SHIFT)
 
     if i_p == num_segments - 1:  # the last segment holds the final state
         if STORE_BLOCK_STATES:

@@ -313,7 +313,10 @@ def _aligned(names: str, values) -> dict:
     return {n: Scalar(int(x), align="ALIGN") for n, x in zip(names.split(), values)}
 
 
-def _triton_launch(target: Target, p: _Prefill, c: LightningTritonConfig):
+def _triton_launch(target: Target, p: _Prefill, c: LightningTritonConfig, reverse: bool = False,
+                   hist_shift: bool = False):
+    """The Triton kernel's launch and buffers; ``reverse`` / ``hist_shift``: the
+    kernel's variants for the backward (kernels._lightning_prefill_kernel)."""
     block_len, chunks, num_blocks, num_chunks = _chunking(p, c.block_t)
     n_e = cdiv(p.e, c.block_e)
     programs = p.b * p.h * n_e
@@ -366,7 +369,8 @@ def _triton_launch(target: Target, p: _Prefill, c: LightningTritonConfig):
             DOT_PRECISION=c.dot_precision, OFFS_64=not p.offs_32,
             # segments' first pass (state products only): twice the chunk, 2 stages (bf16;
             # fp32's split products spilled at twice the chunk)
-            P1_T=2 * c.block_t if dot_bf16 else c.block_t, P1_STAGES=2),
+            P1_T=2 * c.block_t if dot_bf16 else c.block_t, P1_STAGES=2,
+            REVERSE=reverse, HIST_SHIFT=hist_shift),
         num_warps=c.num_warps, num_stages=c.num_stages)
     return p.buffers(seg_state, segments, programs), launch
 
@@ -521,7 +525,8 @@ def _gluon_config(target: Target, p: _Prefill, override) -> LightningGluonConfig
     return LightningGluonConfig(_split(units, segments)[1], stages)
 
 
-def _gluon_launch(p: _Prefill, c: LightningGluonConfig):
+def _gluon_launch(p: _Prefill, c: LightningGluonConfig, reverse: bool = False, hist_shift: bool = False):
+    """The Gluon kernel's launch and buffers (``reverse`` / ``hist_shift``: as _triton_launch's)."""
     from .gluon_kernels import _gluon_prefill_kernel, _gluon_prefill_tf32_kernel
     programs = p.b * p.h * (p.e // GLUON_BE)
     unit = _gluon_unit(p, c.stages)
@@ -546,6 +551,7 @@ def _gluon_launch(p: _Prefill, c: LightningGluonConfig):
                         BLOCK_CHUNKS=0 if p.final_only else p.block_size // GLUON_T,
                         HAS_HISTORY=p.kv_history is not None, SEGMENTED=segments > 1,
                         STRIDE_QT=p.q.strides[2], STRIDE_KT=p.k.strides[2], STRIDE_VT=p.v.strides[2],
+                        REVERSE=reverse, HIST_SHIFT=hist_shift,
                         **(dict(WS_REGS=GLUON_TF32_WS_REGS) if fp32 else {})),
         # fp32: 4 warps compile the kernel; its worker partition adds 4 more at launch
         num_warps=4, num_stages=1)

@@ -144,7 +144,7 @@ def _lightning_varlen_kernel(
             b_l = _segment_contribution(k_ptr, v_ptr, base_k, base_v, stride_kt, stride_vt, s, seq_len,
                                         seg_t0, seg_t1, o_d, o_e, m_d, m_e, P1_T, P1_STAGES,
                                         BLOCK_D, BLOCK_E, EVEN_D, EVEN_E, DOT_BF16, SPLIT_STATE,
-                                        DOT_PRECISION, OFFS_64)
+                                        DOT_PRECISION, OFFS_64, False)
         if j > 0:  # look back: wait for the previous item's end state
             p_flag = sync_ptr + 1 + ticket - per_item
             ready = tl.atomic_add(p_flag, 0, sem="acquire")
@@ -168,7 +168,7 @@ def _lightning_varlen_kernel(
         b_s = _chunk_step(q_ptr, k_ptr, v_ptr, o_ptr, base_q, base_k, base_v, base_o,
                           stride_qt, stride_kt, stride_vt, stride_ot, t0, n_valid, seq_len, b_s, s,
                           o_t, o_d, o_e, m_d, m_e, q_decay, causal_decay,
-                          DOT_BF16, SPLIT_STATE, DOT_PRECISION, EVEN_D, EVEN_E, OFFS_64)
+                          DOT_BF16, SPLIT_STATE, DOT_PRECISION, EVEN_D, EVEN_E, OFFS_64, False, False)
 
     # NOTE: the destination is worked out again here rather than kept from before
     # the loop: the loop sits at the 255-register limit, and every value live across

@@ -127,6 +127,9 @@ def run():
 SWEEP_CONFIGS = [(bm, bn, wq, wk, st) for bm, bn in ((64, 64), (32, 64), (64, 32), (32, 32))
                  for wq in (4, 8) for wk in (4, 8) for st in (2, 3)]
 SWEEP = os.environ.get("BLOCKSPARSE_BWD_SWEEP") == "1"   # the config sweep (and each launch alone)
+if os.environ.get("BLOCKSPARSE_BWD_SWEEP_TILES"):  # e.g. "64x64": only those (block_m, block_n) tiles
+    _tiles = {tuple(int(x) for x in t.split("x")) for t in os.environ["BLOCKSPARSE_BWD_SWEEP_TILES"].split(",")}
+    SWEEP_CONFIGS = [c for c in SWEEP_CONFIGS if c[:2] in _tiles]
 
 
 def sweep(q, k, v, go, cu, crow, col, scale, bs, n):

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import jit
-from .kernels import (_count_below, _in_earlier_rows, _locate, _or, _pick, _query_tiles, _row_extent,
+from .kernels import (_add, _count_below, _in_earlier_rows, _locate, _or, _pick, _query_tiles, _row_extent,
                       _seq_bounds, _sum)
 
 LOG2E = tl.constexpr(1.4426950408889634)   # a constexpr: the GPU compiler refuses plain globals
@@ -350,21 +350,31 @@ def _bsattn_bwd_dkdv_kernel(
                 hi = r_hi - w * 32
                 keep = tl.reduce(tl.where((o_x >= lo) & (o_x <= hi), 1 << o_x, 0), 0, _or)
                 bits = bits & keep
-                n_set = _sum((bits >> o_x) & 1, 0)
-                for _ in range(0, n_set):
-                    low = bits & (-bits)                                  # lowest set bit
-                    bits = bits ^ low
-                    # its index: the fp32 exponent of the power of two (bit 31: -2^31)
-                    x = ((low.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 255) - 127
-                    qb = w * 32 + x
-                    for i in tl.static_range(SUBM):
-                        qstart = qb * BLOCK_SIZE + i * BLOCK_M
-                        # skip sub-tiles wholly outside the sequence's queries or before the keys
-                        if (qstart + BLOCK_M > past) & (qstart < k_len) & (qstart + BLOCK_M > kstart):
-                            b_dk, b_dv = _dkdv_step(
-                                b_dk, b_dv, b_k, b_v, q_ptr, do_ptr, lse_ptr, delta_ptr, i_h, q_lo,
-                                past, k_len, qstart, o_n, o_d, m_d, num_heads, stride_qt, stride_qh,
-                                stride_dot, stride_doh, BLOCK_M, IS_FP32, QK_SCALE)
+                # the set bits' rows as a list (rank of each set bit): the step's loads
+                # then depend on the loop index alone, so the loop is software-pipelined.
+                # NOTE: the bit scan before (each row found from the previous one's
+                # bits) left the loads unpipelined: H200, Phi-3-small 1x16384 bf16,
+                # this kernel alone 3.9 -> 3.28 ms, fwd+bwd 7.31 -> 6.65-6.75 ms
+                # (2026-11-24; benchmarks/bench_blocksparse_backward.py)
+                is_set = ((bits >> o_x) & 1) == 1
+                rank = tl.associative_scan(is_set.to(tl.int32), 0, _add) - 1
+                n_set = _sum(is_set.to(tl.int32), 0)
+                for i in tl.range(0, n_set):
+                    qb = w * 32 + _sum(tl.where(is_set & (rank == i), o_x, 0), 0)
+                    if SUBM == 1:  # qb >= kb: the tile never lies before the keys
+                        b_dk, b_dv = _dkdv_step(
+                            b_dk, b_dv, b_k, b_v, q_ptr, do_ptr, lse_ptr, delta_ptr, i_h, q_lo,
+                            past, k_len, qb * BLOCK_SIZE, o_n, o_d, m_d, num_heads, stride_qt, stride_qh,
+                            stride_dot, stride_doh, BLOCK_M, IS_FP32, QK_SCALE)
+                    else:
+                        for j in tl.static_range(SUBM):
+                            qstart = qb * BLOCK_SIZE + j * BLOCK_M
+                            # skip sub-tiles wholly outside the sequence's queries or before the keys
+                            if (qstart + BLOCK_M > past) & (qstart < k_len) & (qstart + BLOCK_M > kstart):
+                                b_dk, b_dv = _dkdv_step(
+                                    b_dk, b_dv, b_k, b_v, q_ptr, do_ptr, lse_ptr, delta_ptr, i_h, q_lo,
+                                    past, k_len, qstart, o_n, o_d, m_d, num_heads, stride_qt, stride_qh,
+                                    stride_dot, stride_doh, BLOCK_M, IS_FP32, QK_SCALE)
 
     b_dk = b_dk * SM_SCALE
     p_out = k_rows[:, None] * (num_kv_heads * head_size) + i_kvh * head_size + o_d[None, :]

@@ -361,7 +361,10 @@ def _bsattn_bwd_dkdv_kernel(
                 # NOTE: the bit scan before (each row found from the previous one's
                 # bits) left the loads unpipelined: H200, Phi-3-small 1x16384 bf16,
                 # this kernel alone 3.9 -> 3.28 ms, fwd+bwd 7.31 -> 6.65-6.75 ms
-                # (2026-11-24; benchmarks/bench_blocksparse_backward.py)
+                # (2026-11-24; benchmarks/bench_blocksparse_backward.py). Measured and not
+                # kept: one list over all of a head's rows (every row's bit gathered from
+                # its word, ranked by one scan over next_pow2(rows) lanes, a single loop
+                # per head): 3.46 ms, slower (same day)
                 is_set = ((bits >> o_x) & 1) == 1
                 rank = tl.associative_scan(is_set.to(tl.int32), 0, _add) - 1
                 n_set = _sum(is_set.to(tl.int32), 0)

@@ -22,6 +22,8 @@ CASES = {
 if GPU:
     CASES["gpu-B1H8N4096-D128"] = (1, 8, 4096, 128, 128, 256, True, True)
     CASES["gpu-B2H4N1000-D64E96"] = (2, 4, 1000, 64, 96, 256, False, True)
+    # one program per (b, h, E-tile), no segments: the Gluon kernels unsegmented
+    CASES["gpu-B1H64N256-D128"] = (1, 64, 256, 128, 128, 256, True, True)
 
 
 def make(case, dtype, seed=0):
@@ -98,7 +100,9 @@ def test_torch_matches_reference(name, ed_grad):
 
 
 @pytest.mark.parametrize("dtype,name", [("bfloat16", "hist-blocks16-D20E12")] + (
-    [("float16", "hist-blocks16-D20E12"), ("bfloat16", "gpu-B2H4N1000-D64E96")] if GPU else []))
+    [("float16", "hist-blocks16-D20E12"), ("bfloat16", "gpu-B2H4N1000-D64E96"),
+     # bf16 Gluon kernels, reversed and shifted (ed constant): segmented and not
+     ("bfloat16", "gpu-B1H8N4096-D128"), ("bfloat16", "gpu-B1H64N256-D128")] if GPU else []))
 @pytest.mark.parametrize("ed_grad", [True, False], ids=["ed-grad", "ed-constant"])
 def test_low_precision(dtype, name, ed_grad):
     c = make(CASES[name], dtype, seed=3)
@@ -153,18 +157,19 @@ FORWARD_FORM = {
 
 
 @pytest.mark.parametrize("with_kv", [True, False], ids=["state-grad", "no-state-grad"])
-@pytest.mark.parametrize("name", list(FORWARD_FORM))
-def test_forward_form_matches_reference(name, with_kv):
+@pytest.mark.parametrize("name,dtype", [(n, "float32") for n in FORWARD_FORM]
+                         + [("final-hist-3chunks-D24E40", "bfloat16")])
+def test_forward_form_matches_reference(name, dtype, with_kv):
     """ed constant: dq, dk, dv from the forward's kernels, reversed and shifted
     (backward_plan._forward_passes), with a history and the final state's gradient."""
     case = FORWARD_FORM[name]
     if not case[6] and with_kv:
         pytest.skip("gradients on per-block states take the scan kernels")
-    c = make(case, "float32", seed=7)
+    c = make(case, dtype, seed=7)
     ref = lightning_attention_backward_reference(
         c["q"], c["k"], c["v"], c["ed"], c["grad_output"].astype(np.float64), c["grad_kv"] if with_kv else None,
         c["block_size"], c["kv_history"], c["final"])
-    check(torch_grads(c, ed_grad=False, with_kv=with_kv), ref[:4] + (None,), "float32", f"torch {name}")
+    check(torch_grads(c, ed_grad=False, with_kv=with_kv), ref[:4] + (None,), dtype, f"torch {name}")
 
 
 @pytest.mark.parametrize("rate", [30.0, float("inf")], ids=["s30", "s-inf"])

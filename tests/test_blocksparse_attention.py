@@ -700,7 +700,15 @@ class TestJax(JaxAdapter, BlocksparseTests):
                 "test_matches_reference[mixed-perhead-float32]", "test_matches_reference[mixed-perhead-float16]",
                 "test_matches_reference[head-range-float16]",
                 "test_prefill_tile_configs[mixed-perhead-BlocksparsePrefillConfig(block_m=16, block_n=16, "
-                "num_warps=4, num_stages=3)]")
+                "num_warps=4, num_stages=3)]",
+                # CI time (the suite took 14 min 50 s with setup at ee963ee): their torch twins run on the CPU
+                "test_int64_indices[decode-packed]", "test_int64_indices[decode]",
+                "test_matches_reference[qblock4x-float32]", "test_matches_reference[qblock4x-float16]",
+                "test_matches_reference[head-range-float32]", "test_module_spda",
+                "test_decode_configs[BlocksparsePrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)]",
+                "test_decode_configs[BlocksparseGroupDecodeConfig(splits=3, chunk=2, num_warps=4, num_stages=2)]",
+                "test_prefill_tile_configs[block32-BlocksparsePrefillConfig(block_m=16, block_n=16, "
+                "num_warps=2, num_stages=1)]")
 
     @property
     def module_cls(self):

@@ -577,7 +577,10 @@ class TestJax(JaxAdapter, LightningTests):
     # see JaxAdapter.CPU_SKIP: the torch class runs these shapes on the CPU
     CPU_SKIP = tuple(f"test_prefill_matches_reference[B2-H2-N250-D48-E80-bs100-{fso}-{dt}]"
                      for fso in (True, False) for dt in ("float16", "float32")) + (
-        "test_every_element_written_and_segments[16-False-4]",)
+        "test_every_element_written_and_segments[16-False-4]",
+        # CI time (14 min 54 s with setup at ff08afe)
+        "test_every_element_written_and_segments[16-False-3]", "test_every_element_written_and_segments[16-False-1]",
+        "test_every_element_written_and_segments[16-True-4]", "test_every_element_written_and_segments[16-True-3]")
 
     def prefill(self, q, k, v, ed, kvh=None, block_size=256, fso=False, *, config=None, jit=False):
         import jax

@@ -674,7 +674,17 @@ class TestJax(JaxAdapter, PrefixPrefillTests):
                 "test_small_tiles_full_and_masked_runs[(32, 32, 4, 2, True, 0, True)]",
                 "test_context_gathered_or_paged[False]", "test_context_gathered_or_paged[True]",
                 # JAX's max_seq_len runs in the index-validation tests too
-                "test_max_seq_len_sizes_the_gathered_context")
+                "test_max_seq_len_sizes_the_gathered_context",
+                # CI time (14 min 54 s with setup at ff08afe; the module's torch-vs-JAX
+                # bitwise tests still cover JAX's options on the CPU)
+                "test_vllm033_options[interleaved-v16-cache-kv-noncausal-False]",
+                "test_vllm033_options[cache-kv-noncausal-False]", "test_vllm033_options[cache-kv-False]",
+                "test_vllm033_options[noncausal-False]", "test_vllm033_options[interleaved-v-False]",
+                "test_vllm033_options[interleaved-v-alibi-window-False]",
+                "test_vllm033_options_combined[cache-kv noncausal interleaved fp8-e4m3 sinks skip_decode d80-False]",
+                "test_vllm033_options_combined[interleaved alibi window sinks fp8-out-False]",
+                "test_vllm033_options_combined[cache-kv fp8-uint8 window sinks skip_decode fp8-out-False]",
+                "test_matches_reference[gqa-d96-bs544-x4-float32]")
 
     def attention(self, case, *, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0,
                   alibi_slopes=None, sliding_window=None, sm_scale=None, skip_decode=False,

@@ -1,8 +1,9 @@
 """Triton kernels for the backward of block-sparse varlen attention (framework-free).
 
-Four launches, all deterministic (no atomics of any kind: every gradient
-element is written by exactly one program, which sums its terms in a fixed
-order):
+Three launches, all deterministic: every gradient element is written by
+exactly one program, which sums its terms in a fixed order (the only atomics
+are the bitwise ORs that build the transposed layout, whose result does not
+depend on their order):
 
 - ``_bsattn_bwd_colmask_kernel``: the transposed layout. For each layout head
   and key block kb, a bit set over query-block rows: bit qb of word qb // 32 is
@@ -10,10 +11,11 @@ order):
   q block when q_block_size > block_size, exactly as the forward walks it;
   only kb <= qb, later blocks being causally masked). Built on the device
   from (crow, col), so it needs no host copy of the layout.
-- ``_bsattn_bwd_preprocess_kernel``: delta = rowsum(dO * O) per (token, head).
 - ``_bsattn_bwd_dq_kernel``: one program per (query tile, query head), the
   forward's tile schedule and column walk; dQ = scale * dS @ K with
-  dS = P * (dP - delta), P recomputed from the forward's saved LSE.
+  dS = P * (dP - delta), P recomputed from the forward's saved LSE and
+  delta = rowsum(dO * O) computed from the tile's O and dO (and stored for the
+  dK/dV kernel, which runs after it).
 - ``_bsattn_bwd_dkdv_kernel``: one program per (key tile, KV head). It walks
   the query heads of its GQA group in order and, for each, the rows set in the
   transposed layout (ascending), so dK = scale * dS^T @ Q and dV = P^T @ dO
@@ -51,63 +53,27 @@ def _bsattn_bwd_colmask_kernel(
     colmask_ptr,
     # constexprs
     num_rows: tl.constexpr, stride_crow_h: tl.constexpr, stride_col_h: tl.constexpr,
-    GROUP: tl.constexpr, WORDS: tl.constexpr, KC: tl.constexpr, CNT_CHUNK: tl.constexpr,
+    GROUP: tl.constexpr, WORDS: tl.constexpr, CNT_CHUNK: tl.constexpr,
 ):
-    """Program (layout head, word w): colmask[h, kb, w] for every key block kb,
-    one bit per query row qb in [32 w, 32 w + 32)."""
+    """Program (layout head, query row qb): sets bit qb of colmask[h, kb, qb // 32]
+    for every key block kb <= qb of the union of qb's q block rows. colmask is
+    zeroed by the executor; the bits are set with atomic ORs, which commute, so
+    the mask is the same whatever order the programs run in."""
     pid = tl.program_id(0)
-    i_w = pid % WORDS
-    i_h = pid // WORDS
+    qb = pid % num_rows
+    i_h = pid // num_rows
     p_crow = crow_ptr + i_h * stride_crow_h
     p_col = col_ptr + i_h * stride_col_h
-    o_k = tl.arange(0, KC)
+    p_mask = colmask_ptr + i_h * (num_rows * WORDS) + qb // ROWS_PER_WORD
+    bit = 1 << (qb % ROWS_PER_WORD)
     o_c = tl.arange(0, CNT_CHUNK)
-    for kc in range(0, num_rows, KC):
-        kb = kc + o_k                                                     # [KC] key blocks
-        acc = kb * 0
-        for r in range(ROWS_PER_WORD):
-            qb = i_w * ROWS_PER_WORD + r
-            if qb < num_rows:
-                g0 = (qb // GROUP) * GROUP
-                hits = kb * 0
-                for rr in tl.static_range(GROUP):
-                    start, end = _row_extent(p_crow, g0 + rr, num_rows)
-                    for off in range(start, end, CNT_CHUNK):
-                        o = off + o_c
-                        b_c = tl.load(p_col + o, mask=o < end, other=-1)  # [CNT_CHUNK]
-                        hits += _sum((kb[:, None] == b_c[None, :]).to(tl.int32), 1)
-                hit = (hits > 0) & (kb <= qb)
-                acc = acc | (hit.to(tl.int32) << r)
-        tl.store(colmask_ptr + (i_h * num_rows + kb) * WORDS + i_w, acc, mask=kb < num_rows)
-
-
-@jit
-def _bsattn_bwd_preprocess_kernel(
-    # input pointers
-    out_ptr, do_ptr,
-    # runtime scalars
-    num_tokens,
-    # output pointers
-    delta_ptr,
-    # constexprs
-    num_heads: tl.constexpr, head_size: tl.constexpr, stride_ot: tl.constexpr,
-    stride_oh: tl.constexpr, stride_dot: tl.constexpr, stride_doh: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """delta [Tq, Hq] fp32 = rowsum(dO * O): one program per (token tile, head)."""
-    pid = tl.program_id(0)
-    i_h = pid % num_heads
-    i_t = pid // num_heads
-    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    o_d = tl.arange(0, BLOCK_D)
-    m_t = o_t < num_tokens
-    m = m_t[:, None] & (o_d < head_size)[None, :]
-    rows = o_t.to(tl.int64)
-    b_o = tl.load(out_ptr + rows[:, None] * stride_ot + i_h * stride_oh + o_d[None, :], mask=m,
-                  other=0.0).to(tl.float32)
-    b_do = tl.load(do_ptr + rows[:, None] * stride_dot + i_h * stride_doh + o_d[None, :], mask=m,
-                   other=0.0).to(tl.float32)
-    tl.store(delta_ptr + rows * num_heads + i_h, _sum(b_o * b_do, 1), mask=m_t)
+    g0 = (qb // GROUP) * GROUP
+    for rr in tl.static_range(GROUP):
+        start, end = _row_extent(p_crow, g0 + rr, num_rows)
+        for off in range(start, end, CNT_CHUNK):
+            o = off + o_c
+            b_c = tl.load(p_col + o, mask=o < end, other=num_rows)        # [CNT_CHUNK] key blocks
+            tl.atomic_or(p_mask + b_c * WORDS, o_c * 0 + bit, mask=b_c <= qb, sem="relaxed")
 
 
 @triton.jit
@@ -161,16 +127,17 @@ def _dq_step(b_dq, b_q, b_do, b_lse2, b_delta, k_ptrs, v_ptrs, kpos, q_pos, k_le
 @jit
 def _bsattn_bwd_dq_kernel(
     # input pointers
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_k_ptr, cu_q_ptr, crow_ptr, col_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, cu_k_ptr, cu_q_ptr, crow_ptr, col_ptr,
     # runtime scalars
     num_seqs,
     # output pointers
-    dq_ptr,
+    dq_ptr, delta_ptr,
     # constexprs
     num_heads: tl.constexpr, num_rows: tl.constexpr, head_size: tl.constexpr,
     num_queries_per_kv: tl.constexpr,
     stride_qt: tl.constexpr, stride_qh: tl.constexpr, stride_kt: tl.constexpr,
     stride_kh: tl.constexpr, stride_vt: tl.constexpr, stride_vh: tl.constexpr,
+    stride_ot: tl.constexpr, stride_oh: tl.constexpr,
     stride_dot: tl.constexpr, stride_doh: tl.constexpr, stride_crow_h: tl.constexpr,
     stride_col_h: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -178,7 +145,8 @@ def _bsattn_bwd_dq_kernel(
     CNT_CHUNK: tl.constexpr, DECODE_Q: tl.constexpr, EVEN_D: tl.constexpr, IS_FP32: tl.constexpr,
     QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
 ):
-    """dQ [Tq, Hq, D] (q's dtype): the forward's tile schedule and column walk."""
+    """dQ [Tq, Hq, D] (q's dtype): the forward's tile schedule and column walk;
+    delta [Tq, Hq] fp32 = rowsum(dO * O) of the tile's rows as well."""
     pid = tl.program_id(0)
     i_h = pid % num_heads
     flat = tl.num_programs(0) // num_heads - 1 - pid // num_heads   # heaviest tiles first
@@ -196,16 +164,22 @@ def _bsattn_bwd_dq_kernel(
     past = _pick(sel, past_b)
     tile = _pick(sel, first_b + flat - end_b + tiles_b)
 
-    # ---- query tile: q, dO, LSE (base 2), delta
+    # ---- query tile: q, dO, LSE (base 2); delta from O and dO, stored for dK/dV
     o_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = (o_m >= past) & (o_m < k_len)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < head_size
     q_rows = (q_lo + o_m - past).to(tl.int64)
     m_md = m_m[:, None] & m_d[None, :]
-    b_q, b_do, b_lse2, b_delta = _load_query_tile(q_ptr, do_ptr, lse_ptr, delta_ptr, q_rows, i_h, o_d,
-                                                  m_m, m_md, num_heads, stride_qt, stride_qh,
-                                                  stride_dot, stride_doh)
+    b_q = tl.load(q_ptr + q_rows[:, None] * stride_qt + i_h * stride_qh + o_d[None, :], mask=m_md,
+                  other=0.0)                                                  # [BLOCK_M, BLOCK_D]
+    b_do = tl.load(do_ptr + q_rows[:, None] * stride_dot + i_h * stride_doh + o_d[None, :],
+                   mask=m_md, other=0.0)
+    b_o = tl.load(out_ptr + q_rows[:, None] * stride_ot + i_h * stride_oh + o_d[None, :], mask=m_md,
+                  other=0.0)
+    b_lse2 = tl.load(lse_ptr + q_rows * num_heads + i_h, mask=m_m, other=0.0) * LOG2E
+    b_delta = _sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)               # [BLOCK_M]
+    tl.store(delta_ptr + q_rows * num_heads + i_h, b_delta, mask=m_m)
 
     i_kvh = (i_h // num_queries_per_kv).to(tl.int64)
     k_base = k_ptr + k_lo.to(tl.int64) * stride_kt + i_kvh * stride_kh
@@ -263,13 +237,13 @@ def _bsattn_bwd_dq_kernel(
 
 @triton.jit
 def _dkdv_step(b_dk, b_dv, b_k, b_v, q_ptr, do_ptr, lse_ptr, delta_ptr, i_h, q_lo, past, k_len,
-               qstart, o_n, o_d, m_d, num_heads: tl.constexpr, stride_qt: tl.constexpr,
+               o_m, row_ok, o_n, o_d, m_d, num_heads: tl.constexpr, stride_qt: tl.constexpr,
                stride_qh: tl.constexpr, stride_dot: tl.constexpr, stride_doh: tl.constexpr,
-               BLOCK_M: tl.constexpr, IS_FP32: tl.constexpr, QK_SCALE: tl.constexpr):
-    """One [BLOCK_N, BLOCK_M] step of dK / dV over the query tile at absolute
-    position qstart of head i_h (transposed scores: keys are the rows)."""
-    o_m = qstart + tl.arange(0, BLOCK_M)
-    m_m = (o_m >= past) & (o_m < k_len)
+               IS_FP32: tl.constexpr, QK_SCALE: tl.constexpr):
+    """One step of dK / dV over the query rows at absolute positions o_m
+    [BLOCK_M] of head i_h (rows with row_ok false are skipped); transposed
+    scores [BLOCK_N, BLOCK_M]: keys are the rows."""
+    m_m = (o_m >= past) & (o_m < k_len) & row_ok
     q_rows = (q_lo + o_m - past).to(tl.int64)
     m_md = m_m[:, None] & m_d[None, :]
     b_q, b_do, b_lse2, b_delta = _load_query_tile(q_ptr, do_ptr, lse_ptr, delta_ptr, q_rows, i_h, o_d,
@@ -303,7 +277,7 @@ def _bsattn_bwd_dkdv_kernel(
     stride_dot: tl.constexpr, stride_doh: tl.constexpr, stride_mask_h: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, B_P2: tl.constexpr, WORDS: tl.constexpr, DECODE_Q: tl.constexpr,
-    EVEN_D: tl.constexpr,
+    EVEN_D: tl.constexpr, PAIR: tl.constexpr,
     IS_FP32: tl.constexpr, QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
 ):
     """dK, dV [Tk, Hkv, D] (k's dtype): program (key tile, KV head) sums over the
@@ -345,6 +319,7 @@ def _bsattn_bwd_dkdv_kernel(
     r_lo = tl.maximum(kb, past // BLOCK_SIZE)        # query rows that can see this key block
     r_hi = (k_len - 1) // BLOCK_SIZE                 # inclusive
     o_x = tl.arange(0, 32)
+    o_mm = tl.arange(0, BLOCK_M)
     SUBM: tl.constexpr = BLOCK_SIZE // BLOCK_M
     if q_len > 0:
         for hh in range(num_queries_per_kv):
@@ -368,22 +343,34 @@ def _bsattn_bwd_dkdv_kernel(
                 is_set = ((bits >> o_x) & 1) == 1
                 rank = tl.associative_scan(is_set.to(tl.int32), 0, _add) - 1
                 n_set = _sum(is_set.to(tl.int32), 0)
-                for i in tl.range(0, n_set):
-                    qb = w * 32 + _sum(tl.where(is_set & (rank == i), o_x, 0), 0)
-                    if SUBM == 1:  # qb >= kb: the tile never lies before the keys
+                if PAIR:  # two rows per step: ranks 2i and 2i + 1 (the second absent at the end)
+                    o_r = tl.arange(0, 2 * BLOCK_M)
+                    for i in tl.range(0, (n_set + 1) // 2):
+                        qa = w * 32 + _sum(tl.where(is_set & (rank == 2 * i), o_x, 0), 0)
+                        qz = w * 32 + _sum(tl.where(is_set & (rank == 2 * i + 1), o_x, 0), 0)
+                        o_m = tl.where(o_r < BLOCK_M, qa * BLOCK_SIZE + o_r, qz * BLOCK_SIZE + o_r - BLOCK_M)
                         b_dk, b_dv = _dkdv_step(
-                            b_dk, b_dv, b_k, b_v, q_ptr, do_ptr, lse_ptr, delta_ptr, i_h, q_lo,
-                            past, k_len, qb * BLOCK_SIZE, o_n, o_d, m_d, num_heads, stride_qt, stride_qh,
-                            stride_dot, stride_doh, BLOCK_M, IS_FP32, QK_SCALE)
-                    else:
-                        for j in tl.static_range(SUBM):
-                            qstart = qb * BLOCK_SIZE + j * BLOCK_M
-                            # skip sub-tiles wholly outside the sequence's queries or before the keys
-                            if (qstart + BLOCK_M > past) & (qstart < k_len) & (qstart + BLOCK_M > kstart):
-                                b_dk, b_dv = _dkdv_step(
-                                    b_dk, b_dv, b_k, b_v, q_ptr, do_ptr, lse_ptr, delta_ptr, i_h, q_lo,
-                                    past, k_len, qstart, o_n, o_d, m_d, num_heads, stride_qt, stride_qh,
-                                    stride_dot, stride_doh, BLOCK_M, IS_FP32, QK_SCALE)
+                            b_dk, b_dv, b_k, b_v, q_ptr, do_ptr, lse_ptr, delta_ptr, i_h, q_lo, past, k_len,
+                            o_m, (o_r < BLOCK_M) | (2 * i + 1 < n_set), o_n, o_d, m_d, num_heads,
+                            stride_qt, stride_qh, stride_dot, stride_doh, IS_FP32, QK_SCALE)
+                else:
+                    for i in tl.range(0, n_set):
+                        qb = w * 32 + _sum(tl.where(is_set & (rank == i), o_x, 0), 0)
+                        if SUBM == 1:  # qb >= kb: the tile never lies before the keys
+                            b_dk, b_dv = _dkdv_step(
+                                b_dk, b_dv, b_k, b_v, q_ptr, do_ptr, lse_ptr, delta_ptr, i_h, q_lo,
+                                past, k_len, qb * BLOCK_SIZE + o_mm, o_mm >= 0, o_n, o_d, m_d, num_heads,
+                                stride_qt, stride_qh, stride_dot, stride_doh, IS_FP32, QK_SCALE)
+                        else:
+                            for j in tl.static_range(SUBM):
+                                qstart = qb * BLOCK_SIZE + j * BLOCK_M
+                                # skip sub-tiles wholly outside the sequence's queries or before the keys
+                                if (qstart + BLOCK_M > past) & (qstart < k_len) & (qstart + BLOCK_M > kstart):
+                                    b_dk, b_dv = _dkdv_step(
+                                        b_dk, b_dv, b_k, b_v, q_ptr, do_ptr, lse_ptr, delta_ptr, i_h,
+                                        q_lo, past, k_len, qstart + o_mm, o_mm >= 0, o_n, o_d, m_d,
+                                        num_heads, stride_qt, stride_qh, stride_dot, stride_doh, IS_FP32,
+                                        QK_SCALE)
 
     b_dk = b_dk * SM_SCALE
     p_out = k_rows[:, None] * (num_kv_heads * head_size) + i_kvh * head_size + o_d[None, :]

@@ -4,8 +4,8 @@
   plus each query row's LSE (_bsattn_fwd_lse_kernel; the prefill kernel for any
   batch, decode-only batches included).
 - :func:`plan_blocksparse_attention_backward`: dq, dk, dv from the forward's
-  inputs, output and LSE, in four deterministic launches (backward_kernels.py):
-  transposed layout, delta = rowsum(dO * O), dQ, dK + dV.
+  inputs, output and LSE, in three deterministic launches (backward_kernels.py):
+  transposed layout, dQ (and delta = rowsum(dO * O)), dK + dV.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from .._plan import (ArrayInfo, Buffer, Launch, Plan, Scalar, cdiv, check_config
                      next_pow2)
 from .._target import Target
 from .backward_kernels import (ROWS_PER_WORD, _bsattn_bwd_colmask_kernel, _bsattn_bwd_dkdv_kernel,
-                               _bsattn_bwd_dq_kernel, _bsattn_bwd_preprocess_kernel)
+                               _bsattn_bwd_dq_kernel)
 from .kernels import LOG2E
 from .plan import (BlocksparsePrefillConfig, _check_fields, _prefill_config, _prefill_launch,
                    _Problem, _query_tiles, _validate)
@@ -27,12 +27,15 @@ NO_DECODE_CONFIG = ("config: a call that needs a gradient runs the prefill kerne
 class BlocksparseBackwardConfig:
     """The backward's tiles: query tiles of ``block_m`` rows and key tiles of
     ``block_n`` keys (powers of two >= 16 dividing block_size), for both the dQ
-    kernel and the dK/dV kernel, with their warps and pipeline stages."""
+    kernel and the dK/dV kernel, with their warps and pipeline stages.
+    ``dkdv_pair``: each dK/dV step takes two query rows of the transposed
+    layout (2 * block_m query positions; needs block_m == block_size)."""
     block_m: int = 64
     block_n: int = 64
     dq_warps: int = 4
     dkdv_warps: int = 4
     num_stages: int = 2
+    dkdv_pair: bool = False
 
 
 @memoize
@@ -106,11 +109,10 @@ def plan_blocksparse_attention_backward(
     config = config or _backward_config(target, p)
     layout_heads = crow.shape[0] if crow.ndim == 2 else 1
     words = cdiv(p.nb, ROWS_PER_WORD.value)
-    buffers["colmask"] = Buffer((layout_heads, p.nb, words), "int32")
+    buffers["colmask"] = Buffer((layout_heads, p.nb, words), "int32", zero_init=True)
     buffers["delta"] = Buffer((p.tq, p.hq), "float32")
-    launches = (_colmask_launch(p, layout_heads, words), _preprocess_launch(p, output, grad_output),
-                _dq_launch(p, config, grad_output), _dkdv_launch(p, config, grad_output, tk, words,
-                                                                layout_heads))
+    launches = (_colmask_launch(p, layout_heads, words), _dq_launch(p, config, output, grad_output),
+                _dkdv_launch(p, config, grad_output, tk, words, layout_heads))
     return Plan(buffers, launches, results)
 
 
@@ -122,6 +124,8 @@ def _check_backward_fields(config: BlocksparseBackwardConfig, p: _Problem) -> No
     for w in (config.dq_warps, config.dkdv_warps):
         if w not in (1, 2, 4, 8, 16):
             raise ValueError(f"config: warps must be a power of two <= 16, got {config}")
+    if config.dkdv_pair and bm != bs:
+        raise ValueError(f"config: dkdv_pair needs block_m == block_size={bs}, got {bm}")
     if config.num_stages < 1:
         raise ValueError(f"config: num_stages must be >= 1, got {config.num_stages}")
 
@@ -142,7 +146,7 @@ def _backward_config(target: Target, p: _Problem) -> BlocksparseBackwardConfig:
     bm = bn = min(p.block_size, 64)
     warps = 8 if p.d_pad >= 128 and p.dtype == "float32" else 4
     return BlocksparseBackwardConfig(bm, bn, warps, warps,
-                                     1 if p.d_pad > 128 and p.dtype == "float32" else 2)
+                                     1 if p.d_pad > 128 and p.dtype == "float32" else 2, False)
 
 
 def _common(p: _Problem) -> dict:
@@ -158,40 +162,30 @@ def _cu_q(p: _Problem) -> str:
 
 def _colmask_launch(p: _Problem, layout_heads: int, words: int) -> Launch:
     return Launch(
-        kernel=_bsattn_bwd_colmask_kernel, grid=(layout_heads * words,),
+        kernel=_bsattn_bwd_colmask_kernel, grid=(layout_heads * p.nb,),
         params=dict(crow_ptr="crow", col_ptr="col", colmask_ptr="colmask"), writes=("colmask_ptr",),
         constexprs=dict(num_rows=p.nb, stride_crow_h=p.layout["stride_crow_h"],
                         stride_col_h=p.layout["stride_col_h"], GROUP=p.group, WORDS=words,
-                        KC=min(max(2, next_pow2(p.nb)), 128),
                         CNT_CHUNK=min(64, max(2, next_pow2(min(p.nnz, p.nb))))),
-        num_warps=4, num_stages=1)
+        num_warps=1, num_stages=1)
 
 
-def _preprocess_launch(p: _Problem, output: ArrayInfo, grad_output: ArrayInfo) -> Launch:
-    block_t = max(1, min(64, 4096 // p.d_pad))
-    return Launch(
-        kernel=_bsattn_bwd_preprocess_kernel, grid=(cdiv(p.tq, block_t) * p.hq,),
-        params=dict(out_ptr="output", do_ptr="grad_output", num_tokens=Scalar(p.tq),
-                    delta_ptr="delta"), writes=("delta_ptr",),
-        constexprs=dict(num_heads=p.hq, head_size=p.d, stride_ot=output.strides[0],
-                        stride_oh=output.strides[1], stride_dot=grad_output.strides[0],
-                        stride_doh=grad_output.strides[1], BLOCK_T=block_t, BLOCK_D=p.d_pad),
-        num_warps=4, num_stages=1)
-
-
-def _dq_launch(p: _Problem, config: BlocksparseBackwardConfig, grad_output: ArrayInfo) -> Launch:
+def _dq_launch(p: _Problem, config: BlocksparseBackwardConfig, output: ArrayInfo,
+               grad_output: ArrayInfo) -> Launch:
     c = _common(p)
-    c.update(num_rows=p.nb, stride_dot=grad_output.strides[0], stride_doh=grad_output.strides[1],
+    c.update(num_rows=p.nb, stride_ot=output.strides[0], stride_oh=output.strides[1],
+             stride_dot=grad_output.strides[0], stride_doh=grad_output.strides[1],
              BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP=p.group,
              NNZ_P2=max(2, next_pow2(min(p.nnz, p.nb))), CNT_CHUNK=64,
              **{n: p.layout[n] for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh",
                                          "stride_vt", "stride_vh", "stride_crow_h", "stride_col_h")})
     return Launch(
         kernel=_bsattn_bwd_dq_kernel, grid=(_query_tiles(p, config.block_m) * p.hq,),
-        params=dict(q_ptr="q", k_ptr="k", v_ptr="v", do_ptr="grad_output", lse_ptr="lse",
-                    delta_ptr="delta", cu_k_ptr="cu_seqlens_k", cu_q_ptr=_cu_q(p), crow_ptr="crow",
-                    col_ptr="col", num_seqs=Scalar(p.b), dq_ptr="grad_q"),
-        writes=("dq_ptr",), constexprs=c, num_warps=config.dq_warps, num_stages=config.num_stages)
+        params=dict(q_ptr="q", k_ptr="k", v_ptr="v", out_ptr="output", do_ptr="grad_output",
+                    lse_ptr="lse", cu_k_ptr="cu_seqlens_k", cu_q_ptr=_cu_q(p), crow_ptr="crow",
+                    col_ptr="col", num_seqs=Scalar(p.b), dq_ptr="grad_q", delta_ptr="delta"),
+        writes=("dq_ptr", "delta_ptr"), constexprs=c, num_warps=config.dq_warps,
+        num_stages=config.num_stages)
 
 
 def _dkdv_launch(p: _Problem, config: BlocksparseBackwardConfig, grad_output: ArrayInfo, tk: int,
@@ -202,7 +196,7 @@ def _dkdv_launch(p: _Problem, config: BlocksparseBackwardConfig, grad_output: Ar
     c = _common(p)
     c.update(num_kv_heads=p.hkv, num_rows=p.nb, stride_dot=grad_output.strides[0],
              stride_doh=grad_output.strides[1], stride_mask_h=p.nb if layout_heads > 1 else 0,
-             BLOCK_M=config.block_m, BLOCK_N=bn, WORDS=words,
+             BLOCK_M=config.block_m, BLOCK_N=bn, WORDS=words, PAIR=config.dkdv_pair,
              **{n: p.layout[n] for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh",
                                          "stride_vt", "stride_vh")})
     return Launch(

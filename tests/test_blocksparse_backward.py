@@ -183,34 +183,17 @@ class TestJax(JaxAdapter, BlocksparseBackwardTests):
         got = fn(*(to_jax(c[n]) for n in ("q", "k", "v", "go", "cu_k", "cu_q", "crow", "col")))
         return [np.asarray(x) for x in got]
 
-    @pytest.mark.parametrize("nb", [4, 40])  # one word of the transposed layout, and two
-    def test_dkdv_pair_config_matches_reference(self, nb):
-        """dK/dV steps over two query rows of the transposed layout (odd and even
-        counts of rows per word) through the explicit LSE forward and backward."""
+    def test_explicit_backward_across_layout_words(self):
+        """The LSE forward and the backward called directly, over 40 layout rows:
+        the transposed layout's rows in two 32-bit words (queries in rows 29-37)."""
         import adapters.jax as aj
-        from core_kernels.blocksparse_attention import BlocksparseBackwardConfig
-        # nb 40: the queries span layout rows 29-37, across the first word's end
-        lens, hq = ([(20, 36), (13, 13), (9, 25)], 4) if nb == 4 else ([(135, 600)], 2)
-        c = make_case(lens, hq, hq // 2, 16, "float32", nb=nb, local=3, stride=3)
+        c = make_case([(135, 600)], 2, 1, 16, "float32", nb=40, local=3, stride=3)
         args = [to_jax(c[n]) for n in ("q", "k", "v")]
         idx = (to_jax(c["cu_k"]), to_jax(c["cu_q"]), 0.3, (to_jax(c["crow"]), to_jax(c["col"])))
         opts = dict(block_size=c["bs"], max_seqlen=c["max_seqlen"])
         out, lse = aj.blocksparse_flash_attn_varlen_fwd_lse(*args, *idx, **opts)
-        cfg = BlocksparseBackwardConfig(block_m=c["bs"], block_n=c["bs"], dkdv_pair=True)
-        got = aj.blocksparse_flash_attn_varlen_backward(*args, out, lse, to_jax(c["go"]), *idx, **opts,
-                                                        config=cfg)
+        got = aj.blocksparse_flash_attn_varlen_backward(*args, out, lse, to_jax(c["go"]), *idx, **opts)
         check_grads([np.asarray(x) for x in got], reference(c, 0.3), "float32")
-
-    def test_dkdv_pair_needs_whole_layout_rows(self):
-        import adapters.jax as aj
-        from core_kernels.blocksparse_attention import BlocksparseBackwardConfig
-        c = make_case([(16, 16)], 2, 1, 16, "float32", nb=1, bs=32)
-        args = [to_jax(c[n]) for n in ("q", "k", "v")]
-        idx = (to_jax(c["cu_k"]), to_jax(c["cu_q"]), 0.3, (to_jax(c["crow"]), to_jax(c["col"])))
-        out, lse = aj.blocksparse_flash_attn_varlen_fwd_lse(*args, *idx, block_size=32)
-        with pytest.raises(ValueError, match="config: dkdv_pair needs block_m == block_size=32, got 16"):
-            aj.blocksparse_flash_attn_varlen_backward(*args, out, lse, to_jax(c["go"]), *idx, block_size=32,
-                                                      config=BlocksparseBackwardConfig(16, 32, dkdv_pair=True))
 
     def test_module_and_vmap_of_grad(self):
         import jax

@@ -277,7 +277,7 @@ def _bsattn_bwd_dkdv_kernel(
     stride_dot: tl.constexpr, stride_doh: tl.constexpr, stride_mask_h: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, B_P2: tl.constexpr, WORDS: tl.constexpr, DECODE_Q: tl.constexpr,
-    EVEN_D: tl.constexpr, PAIR: tl.constexpr,
+    EVEN_D: tl.constexpr,
     IS_FP32: tl.constexpr, QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
 ):
     """dK, dV [Tk, Hkv, D] (k's dtype): program (key tile, KV head) sums over the
@@ -339,38 +339,32 @@ def _bsattn_bwd_dkdv_kernel(
                 # (2026-11-24; benchmarks/bench_blocksparse_backward.py). Measured and not
                 # kept: one list over all of a head's rows (every row's bit gathered from
                 # its word, ranked by one scan over next_pow2(rows) lanes, a single loop
-                # per head): 3.46 ms, slower (same day)
+                # per head): 3.46 ms, slower (same day). Also measured and not kept
+                # (H200, the backward launches; 2026-11-24, code of e841cc8 and after):
+                # two rows per step (a 128-query gathered tile, both rows' bits ranked)
+                # 16.9 ms against 4.87 at 4 warps and 8.6 against 7.2 at 8; steps of 32
+                # query rows 4.73 against 4.83 and, issuing the dP^T product before P^T,
+                # 4.84-5.17 (within the run's noise: the default timed 4.83 and 5.35)
                 is_set = ((bits >> o_x) & 1) == 1
                 rank = tl.associative_scan(is_set.to(tl.int32), 0, _add) - 1
                 n_set = _sum(is_set.to(tl.int32), 0)
-                if PAIR:  # two rows per step: ranks 2i and 2i + 1 (the second absent at the end)
-                    o_r = tl.arange(0, 2 * BLOCK_M)
-                    for i in tl.range(0, (n_set + 1) // 2):
-                        qa = w * 32 + _sum(tl.where(is_set & (rank == 2 * i), o_x, 0), 0)
-                        qz = w * 32 + _sum(tl.where(is_set & (rank == 2 * i + 1), o_x, 0), 0)
-                        o_m = tl.where(o_r < BLOCK_M, qa * BLOCK_SIZE + o_r, qz * BLOCK_SIZE + o_r - BLOCK_M)
+                for i in tl.range(0, n_set):
+                    qb = w * 32 + _sum(tl.where(is_set & (rank == i), o_x, 0), 0)
+                    if SUBM == 1:  # qb >= kb: the tile never lies before the keys
                         b_dk, b_dv = _dkdv_step(
-                            b_dk, b_dv, b_k, b_v, q_ptr, do_ptr, lse_ptr, delta_ptr, i_h, q_lo, past, k_len,
-                            o_m, (o_r < BLOCK_M) | (2 * i + 1 < n_set), o_n, o_d, m_d, num_heads,
+                            b_dk, b_dv, b_k, b_v, q_ptr, do_ptr, lse_ptr, delta_ptr, i_h, q_lo,
+                            past, k_len, qb * BLOCK_SIZE + o_mm, o_mm >= 0, o_n, o_d, m_d, num_heads,
                             stride_qt, stride_qh, stride_dot, stride_doh, IS_FP32, QK_SCALE)
-                else:
-                    for i in tl.range(0, n_set):
-                        qb = w * 32 + _sum(tl.where(is_set & (rank == i), o_x, 0), 0)
-                        if SUBM == 1:  # qb >= kb: the tile never lies before the keys
-                            b_dk, b_dv = _dkdv_step(
-                                b_dk, b_dv, b_k, b_v, q_ptr, do_ptr, lse_ptr, delta_ptr, i_h, q_lo,
-                                past, k_len, qb * BLOCK_SIZE + o_mm, o_mm >= 0, o_n, o_d, m_d, num_heads,
-                                stride_qt, stride_qh, stride_dot, stride_doh, IS_FP32, QK_SCALE)
-                        else:
-                            for j in tl.static_range(SUBM):
-                                qstart = qb * BLOCK_SIZE + j * BLOCK_M
-                                # skip sub-tiles wholly outside the sequence's queries or before the keys
-                                if (qstart + BLOCK_M > past) & (qstart < k_len) & (qstart + BLOCK_M > kstart):
-                                    b_dk, b_dv = _dkdv_step(
-                                        b_dk, b_dv, b_k, b_v, q_ptr, do_ptr, lse_ptr, delta_ptr, i_h,
-                                        q_lo, past, k_len, qstart + o_mm, o_mm >= 0, o_n, o_d, m_d,
-                                        num_heads, stride_qt, stride_qh, stride_dot, stride_doh, IS_FP32,
-                                        QK_SCALE)
+                    else:
+                        for j in tl.static_range(SUBM):
+                            qstart = qb * BLOCK_SIZE + j * BLOCK_M
+                            # skip sub-tiles wholly outside the sequence's queries or before the keys
+                            if (qstart + BLOCK_M > past) & (qstart < k_len) & (qstart + BLOCK_M > kstart):
+                                b_dk, b_dv = _dkdv_step(
+                                    b_dk, b_dv, b_k, b_v, q_ptr, do_ptr, lse_ptr, delta_ptr, i_h,
+                                    q_lo, past, k_len, qstart + o_mm, o_mm >= 0, o_n, o_d, m_d,
+                                    num_heads, stride_qt, stride_qh, stride_dot, stride_doh, IS_FP32,
+                                    QK_SCALE)
 
     b_dk = b_dk * SM_SCALE
     p_out = k_rows[:, None] * (num_kv_heads * head_size) + i_kvh * head_size + o_d[None, :]

@@ -27,15 +27,12 @@ NO_DECODE_CONFIG = ("config: a call that needs a gradient runs the prefill kerne
 class BlocksparseBackwardConfig:
     """The backward's tiles: query tiles of ``block_m`` rows and key tiles of
     ``block_n`` keys (powers of two >= 16 dividing block_size), for both the dQ
-    kernel and the dK/dV kernel, with their warps and pipeline stages.
-    ``dkdv_pair``: each dK/dV step takes two query rows of the transposed
-    layout (2 * block_m query positions; needs block_m == block_size)."""
+    kernel and the dK/dV kernel, with their warps and pipeline stages."""
     block_m: int = 64
     block_n: int = 64
     dq_warps: int = 4
     dkdv_warps: int = 4
     num_stages: int = 2
-    dkdv_pair: bool = False
 
 
 @memoize
@@ -124,8 +121,6 @@ def _check_backward_fields(config: BlocksparseBackwardConfig, p: _Problem) -> No
     for w in (config.dq_warps, config.dkdv_warps):
         if w not in (1, 2, 4, 8, 16):
             raise ValueError(f"config: warps must be a power of two <= 16, got {config}")
-    if config.dkdv_pair and bm != bs:
-        raise ValueError(f"config: dkdv_pair needs block_m == block_size={bs}, got {bm}")
     if config.num_stages < 1:
         raise ValueError(f"config: num_stages must be >= 1, got {config.num_stages}")
 
@@ -146,7 +141,7 @@ def _backward_config(target: Target, p: _Problem) -> BlocksparseBackwardConfig:
     bm = bn = min(p.block_size, 64)
     warps = 8 if p.d_pad >= 128 and p.dtype == "float32" else 4
     return BlocksparseBackwardConfig(bm, bn, warps, warps,
-                                     1 if p.d_pad > 128 and p.dtype == "float32" else 2, False)
+                                     1 if p.d_pad > 128 and p.dtype == "float32" else 2)
 
 
 def _common(p: _Problem) -> dict:
@@ -196,7 +191,7 @@ def _dkdv_launch(p: _Problem, config: BlocksparseBackwardConfig, grad_output: Ar
     c = _common(p)
     c.update(num_kv_heads=p.hkv, num_rows=p.nb, stride_dot=grad_output.strides[0],
              stride_doh=grad_output.strides[1], stride_mask_h=p.nb if layout_heads > 1 else 0,
-             BLOCK_M=config.block_m, BLOCK_N=bn, WORDS=words, PAIR=config.dkdv_pair,
+             BLOCK_M=config.block_m, BLOCK_N=bn, WORDS=words,
              **{n: p.layout[n] for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh",
                                          "stride_vt", "stride_vh")})
     return Launch(

@@ -13,6 +13,11 @@ forward's kernels (backward_plan._forward_passes). "bwd alone" times the backwar
 itself in both forms: the forward's kernels and the scan kernels (LightningBackwardConfig).
 Also checks torch vs JAX gradients bitwise (both forms) and that the backward is bitwise
 deterministic. Target: ours <= 0.5x fla's time.
+``--varlen``: the same over packed sequences (lightning_attention_varlen; the
+registry's B16-mixed256-8192 and B64-mixed64-1024 batches, H 64, D = E = 128),
+fla's chunk_simple_gla with cu_seqlens beside it, the backward alone in both
+forms (the varlen forward kernel reversed and shifted, and the scans), and
+torch vs JAX bitwise.
 Imports on a CPU-only machine; running needs a CUDA GPU. ``--sweep``: the
 backward launch alone (its plan run directly) over LightningBackwardConfig's
 tiles, warps and stages at the same shapes (the measurement behind the
@@ -143,6 +148,81 @@ def _torch_vs_jax():
               + ", ".join(verdicts), flush=True)
 
 
+def varlen():
+    import jax
+    import jax.numpy as jnp
+    import torch
+    import adapters.jax as aj
+    import adapters.torch as at
+    from adapters.torch._executor import planned, run_plan
+    from benchmarks.registry import LIGHTNING_VARLEN_LENS
+    from core_kernels.lightning_attention import LightningBackwardConfig, plan_lightning_attention_varlen_backward
+    try:
+        from fla.ops.simple_gla import chunk_simple_gla
+    except Exception as exc:  # noqa: BLE001 - a benchmark-only dependency
+        chunk_simple_gla = None
+        print(f"flash-linear-attention not importable ({exc}); ours only")
+    h, d = 64, 128
+    for name in ("B16-mixed256-8192", "B64-mixed64-1024"):
+        lens = LIGHTNING_VARLEN_LENS[name]
+        t, b = sum(lens), len(lens)
+        cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+        for dtype in (torch.bfloat16, torch.float32):
+            g = torch.Generator(device="cpu").manual_seed(0)
+            q, k, v = (torch.randn(t, h, d, generator=g).mul(0.3).to("cuda", dtype).requires_grad_()
+                       for _ in range(3))
+            ed = torch.rand(h, generator=g).mul(0.5).add(0.01).to("cuda")
+            do = torch.randn(t, h, d, generator=g).to("cuda", dtype)
+            dkv = torch.randn(b, h, d, d, generator=g).to("cuda")
+
+            def ours():
+                o, st = at.lightning_attention_varlen(q, k, v, ed, cu)
+                return torch.autograd.grad((o * do).sum() + (st * dkv).sum(), (q, k, v))
+            grads, again = ours(), ours()
+            det = all(torch.equal(a, b_) for a, b_ in zip(grads, again))
+            t_ours = kernel_time_torch(ours)
+            with torch.no_grad():
+                t_fwd = kernel_time_torch(lambda: at.lightning_attention_varlen(q, k, v, ed, cu))
+                _, st = at.lightning_attention_varlen(q, k, v, ed, cu)
+            arrays = dict(q=q.detach(), k=k.detach(), v=v.detach(), ed=ed, cu_seqlens=cu, kv=st, grad_output=do,
+                          grad_kv=dkv, kv_history=None)
+            tensors = {n_: x for n_, x in arrays.items() if x is not None}
+            alone = []
+            for cfg in (None, LightningBackwardConfig(block_t=64 if dtype == torch.bfloat16 else 32)):
+                plan, dev = planned(plan_lightning_attention_varlen_backward, arrays, need_grad_ed=False, config=cfg)
+                alone.append(kernel_time_torch(lambda: run_plan(plan, tensors, device=dev)))
+            line = (f"{str(dtype)[6:]:9s} varlen {name} (T {t}) H{h} D{d}: ours fwd {t_fwd * 1e6:7.0f} us, "
+                    f"fwd+bwd {t_ours * 1e6:7.0f} us, deterministic {det}; bwd alone {alone[0] * 1e6:7.0f} us "
+                    f"(scan kernels {alone[1] * 1e6:7.0f} us)")
+            print(line, flush=True)
+            if chunk_simple_gla is not None:
+                qt, kt, vt = (x.detach()[None].requires_grad_() for x in (q, k, v))
+                gamma, cu64 = (-ed).float(), cu.long()
+
+                def fla():
+                    o, fin = chunk_simple_gla(qt, kt, vt, g_gamma=gamma, scale=1.0, output_final_state=True,
+                                              cu_seqlens=cu64)
+                    return torch.autograd.grad((o[0] * do).sum() + (fin * dkv).sum(), (qt, kt, vt))
+                try:
+                    t_fla = kernel_time_torch(fla)
+                    line += f" | fla fwd+bwd {t_fla * 1e6:7.0f} us, ours / fla {t_ours / t_fla:.2f}"
+                except Exception as exc:  # noqa: BLE001
+                    line += f" | fla failed: {type(exc).__name__}: {str(exc)[:120]}"
+                print(line, flush=True)
+            if dtype == torch.bfloat16:  # torch vs JAX, bitwise
+                jx = [jnp.asarray(x.detach().float().cpu().numpy()).astype(jnp.bfloat16) for x in (q, k, v, do)]
+                jdkv, jcu, jed = (jnp.asarray(x.cpu().numpy()) for x in (dkv, cu, ed))
+
+                def jloss(q, k, v):
+                    o, fin = aj.lightning_attention_varlen(q, k, v, jed, jcu)
+                    return (o.astype(jnp.float32) * jx[3].astype(jnp.float32)).sum() + (fin * jdkv).sum()
+                jg = jax.jit(jax.grad(jloss, argnums=(0, 1, 2)))(*jx[:3])
+                same = [np.array_equal(a.detach().view(torch.int16).cpu().numpy(), np.asarray(j).view(np.int16))
+                        for a, j in zip(grads, jg)]
+                print(f"  torch vs JAX (dq, dk, dv): {'bitwise equal' if all(same) else f'DIFFER {same}'}",
+                      flush=True)
+
+
 def sweep():
     import itertools
     import torch
@@ -182,4 +262,9 @@ def sweep():
 
 if __name__ == "__main__":
     import sys
-    sweep() if "--sweep" in sys.argv[1:] else run()
+    if "--sweep" in sys.argv[1:]:
+        sweep()
+    elif "--varlen" in sys.argv[1:]:
+        varlen()
+    else:
+        run()

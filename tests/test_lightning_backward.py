@@ -401,6 +401,67 @@ def test_varlen_cache_matches_reference_and_jax_bitwise():
         assert_bitwise_equal(a, np.asarray(b), f"varlen cache {name}: torch vs jax")
 
 
+@pytest.mark.parametrize("cache", [False, True])
+def test_varlen_forward_form_matches_reference_and_jax_bitwise(cache):
+    """ed constant: the varlen backward runs the varlen forward kernel reversed
+    and shifted (the plan's forward form, checked below). Empty, one-token and
+    multi-chunk sequences, one cut into two work items (the 130 tokens of the
+    last cross the 128-token segment boundary under the interpreter's plan);
+    with the cache, sequences start from their slots (d kv_cache through the
+    history's gradient; the empty sequence's is its final state's, undecayed)."""
+    import jax
+    import jax.numpy as jnp
+    import adapters.jax as aj
+    lens = [37, 0, 1, 70, 5, 130] if not GPU else [1000, 0, 1, 4097, 300, 64]
+    slots = [3, 0, -1, 5, 1, 2]
+    c = _cache_case(lens, slots, 2, 12, 20, "float32", seed=11) if cache else \
+        _varlen_case(lens, 2, 12, 20, "float32", seed=11)
+    names = ("q", "k", "v", "cache") if cache else ("q", "k", "v")
+    t = {n: to_torch(c[n]).requires_grad_(True) for n in names}
+    ed, cu = to_torch(c["ed"]), to_torch(c["cu"])
+    if cache:
+        o, fin = at.lightning_attention_varlen(t["q"], t["k"], t["v"], ed, cu, kv_cache=t["cache"].clone(),
+                                               slot_idx=to_torch(c["slot"]))
+        g_fin = c["grad_cache"]
+    else:
+        o, fin = at.lightning_attention_varlen(t["q"], t["k"], t["v"], ed, cu)
+        g_fin = c["grad_states"]
+    ((o * to_torch(c["grad_output"])).sum() + (fin * to_torch(g_fin)).sum()).backward()
+    got = [torch_to_numpy(t[n].grad) for n in names]
+    want = _cache_reference(c) if cache else _varlen_reference(c)
+    check(got[:3] + [got[3] if cache else None, None], want[:4] + (None,), "float32", "torch varlen, ed constant")
+
+    def loss(*xs):
+        kw = dict(kv_cache=xs[3], slot_idx=jnp.asarray(c["slot"])) if cache else {}
+        o, fin = aj.lightning_attention_varlen(*xs[:3], jnp.asarray(c["ed"]), jnp.asarray(c["cu"]), **kw)
+        return (o * jnp.asarray(c["grad_output"])).sum() + (fin * jnp.asarray(g_fin)).sum()
+    j = jax.jit(jax.grad(loss, argnums=tuple(range(len(names)))))(*(jnp.asarray(c[n]) for n in names))
+    for name, a, b in zip(names, got, j):
+        assert_bitwise_equal(a, np.asarray(b), f"varlen forward form d{name}: torch vs jax")
+
+
+def test_varlen_backward_form_by_plan():
+    """The varlen backward's forward form: the state maps and three varlen forward
+    launches (reversed and shifted where the history is the output gradient's);
+    the scans when d ed is needed."""
+    from core_kernels._plan import ArrayInfo
+    from core_kernels._target import Target
+    from core_kernels.lightning_attention import plan_lightning_attention_varlen_backward
+    cpu = Target("interpreter", 0, 4)
+    q = ArrayInfo.contiguous((40, 2, 16), "float32")
+    ed, cu = ArrayInfo.contiguous((2,), "float32"), ArrayInfo.contiguous((3,), "int32")
+    st = ArrayInfo.contiguous((2, 2, 16, 16), "float32")
+
+    def launches(hist, need):
+        plan = plan_lightning_attention_varlen_backward(cpu, q, q, q, ed, cu, st, q, st, hist, need_grad_ed=need)
+        return [(x.kernel.fn.__name__, x.constexprs.get("REVERSE"), x.constexprs.get("HIST_SHIFT"))
+                for x in plan.launches]
+    fwd = [("_lightning_varlen_kernel", False, False)] + [("_lightning_varlen_kernel", True, True)] * 2
+    assert launches(None, False) == [("_state_map_kernel", None, None)] + fwd
+    assert launches(st, False) == [("_state_map_kernel", None, None)] * 2 + fwd + [("_state_map_kernel", None, None)]
+    assert "_lightning_varlen_kernel" not in [n for n, _, _ in launches(st, True)]
+
+
 def test_varlen_cache_without_grad_is_the_cache_kernel():
     """No input requiring grad: the in-place cache op as before (the slot not
     named stays bit for bit; the forward is unchanged by the backward route)."""

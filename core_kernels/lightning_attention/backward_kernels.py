@@ -400,13 +400,15 @@ def _lightning_bwd_decay_kernel(part_ptr, batch, num_heads, num_parts, grad_ed_p
 
 
 @jit
-def _state_map_kernel(src_ptr, decay_ptr, num_heads, rows, cols, stride_decay, stride_sb, stride_sh,
+def _state_map_kernel(src_ptr, decay_ptr, cu_ptr, num_heads, rows, cols, stride_decay, stride_sb, stride_sh,
                       stride_sr, dst_ptr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                      TRANSPOSE: tl.constexpr, DECAY: tl.constexpr):
+                      TRANSPOSE: tl.constexpr, DECAY: tl.constexpr, VARLEN: tl.constexpr):
     """The backward's per-(b, h) state maps (backward_plan._forward_passes):
     dst[b, h] = src[b, h]^T (TRANSPOSE; dst [B, H, C, R]) or lambda_h src[b, h]
     (DECAY; dst [B, H, R, C]); src [B, H, R, C] (unit innermost stride, any
-    float dtype), dst contiguous float32. A program per (b, h, tile)."""
+    float dtype), dst contiguous float32. A program per (b, h, tile). VARLEN
+    (with DECAY): b is sequence b of cu_seqlens, and an empty one is copied
+    undecayed."""
     i_bh = tl.program_id(0)
     i_b = (i_bh // num_heads).to(tl.int64)
     i_h = (i_bh % num_heads).to(tl.int64)
@@ -416,7 +418,10 @@ def _state_map_kernel(src_ptr, decay_ptr, num_heads, rows, cols, stride_decay, s
     x = tl.load(src_ptr + i_b * stride_sb + i_h * stride_sh + o_r[:, None] * stride_sr + o_c[None, :],
                 mask=m, other=0.0).to(tl.float32)
     if DECAY:
-        x = x * tl.exp(-tl.load(decay_ptr + i_h * stride_decay))
+        lam = tl.exp(-tl.load(decay_ptr + i_h * stride_decay))
+        if VARLEN:
+            lam = tl.where(tl.load(cu_ptr + i_b + 1) > tl.load(cu_ptr + i_b), lam, 1.0)
+        x = x * lam
     base = dst_ptr + i_bh.to(tl.int64) * rows * cols
     if TRANSPOSE:
         tl.store(base + o_c[None, :] * rows + o_r[:, None], x, mask=m)

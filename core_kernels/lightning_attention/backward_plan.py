@@ -124,6 +124,34 @@ def _forward_passes(target, p, grad_output: ArrayInfo, grad_kv: ArrayInfo | None
     it applies) and its buffers renamed; plus the state maps around them:
     S_hist^T and dKV^T before, lambda * (the dV pass's final state) after.
     Adds the scratch to ``buffers``."""
+    def plan_pass(qi, ki, vi, hi, reverse, shift):
+        f = _validate_prefill(qi, ki, vi, p.ed, hi, p.block_size, True)
+        if _use_gluon(target, f, None):
+            return _gluon_launch(f, _gluon_config(target, f, None), reverse, shift)
+        return _triton_launch(target, f, _triton_config(target, f, None), reverse, shift)
+
+    return _passes(p, p.kv_history, grad_output, grad_kv, buffers, plan_pass, False)
+
+
+def _varlen_forward_passes(target, p, cu_seqlens: ArrayInfo, kv_history: ArrayInfo | None,
+                           grad_output: ArrayInfo, grad_kv: ArrayInfo | None, buffers: dict) -> tuple:
+    """_forward_passes for packed sequences: the varlen Triton kernel per pass
+    (each sequence walked, reversed and shifted on its own; the history of
+    sequence b is row b), and d kv_history copied undecayed for an empty
+    sequence (its final state is its history: G_0 = dKV)."""
+    from .varlen_plan import _config as _varlen_config, _launch as _varlen_launch, _validate as _validate_varlen
+
+    def plan_pass(qi, ki, vi, hi, reverse, shift):
+        f = _validate_varlen(qi, ki, vi, p.ed, cu_seqlens, None, None, 256)
+        plan = _varlen_launch(target, f, _varlen_config(target, f, None), hi is not None, reverse, shift)
+        return plan.buffers, plan.launches[0]
+
+    return _passes(p, kv_history, grad_output, grad_kv, buffers, plan_pass, True)
+
+
+def _passes(p, kv_history, grad_output, grad_kv, buffers, plan_pass, varlen: bool) -> tuple:
+    """The launches of _forward_passes / _varlen_forward_passes; ``plan_pass(q,
+    k, v, history, reverse, shift)`` plans one pass -> (buffers, launch)."""
     launches = []
 
     def state_map(src, info, dst, transpose):
@@ -131,30 +159,28 @@ def _forward_passes(target, p, grad_output: ArrayInfo, grad_kv: ArrayInfo | None
         buffers[dst] = Buffer((p.b, p.h, cols, rows) if transpose else (p.b, p.h, rows, cols), "float32")
         launches.append(Launch(
             kernel=_state_map_kernel, grid=(p.b * p.h, cdiv(rows, 64), cdiv(cols, 64)),
-            params=dict(src_ptr=src, decay_ptr="ed", num_heads=Scalar(p.h), rows=Scalar(rows),
+            params=dict(src_ptr=src, decay_ptr="ed", cu_ptr="cu_seqlens" if varlen else "ed",
+                        num_heads=Scalar(p.h), rows=Scalar(rows),
                         cols=Scalar(cols), stride_decay=Scalar(p.ed.strides[0]),
                         **{f"stride_s{a}": Scalar(int(x), "i64" if abs(int(x)) >= 2 ** 31 else "i32")
                            for a, x in zip("bhr", info.strides[:3])},
                         dst_ptr=dst),
-            writes=("dst_ptr",), constexprs=dict(BLOCK_R=64, BLOCK_C=64, TRANSPOSE=transpose, DECAY=not transpose),
+            writes=("dst_ptr",), constexprs=dict(BLOCK_R=64, BLOCK_C=64, TRANSPOSE=transpose,
+                                                 DECAY=not transpose, VARLEN=varlen and not transpose),
             num_warps=4, num_stages=1))
         return ArrayInfo.contiguous(buffers[dst].shape, "float32")
 
-    hist_t = None if p.kv_history is None else state_map("kv_history", p.kv_history, "kv_history_t", True)
+    hist_t = None if kv_history is None else state_map("kv_history", kv_history, "kv_history_t", True)
     dkv_t = None if grad_kv is None else state_map("grad_kv", grad_kv, "grad_kv_t", True)
     # (result, q', k', v', history, reversed): names and infos
     passes = (("grad_q", ("grad_output", grad_output), ("v", p.v), ("k", p.k), ("kv_history_t", hist_t), False),
               ("grad_v", ("k", p.k), ("q", p.q), ("grad_output", grad_output), ("grad_kv", grad_kv), True),
               ("grad_k", ("v", p.v), ("grad_output", grad_output), ("q", p.q), ("grad_kv_t", dkv_t), True))
     for out, (qn, qi), (kn, ki), (vn, vi), (hn, hi), reverse in passes:
-        f = _validate_prefill(qi, ki, vi, p.ed, hi, p.block_size, True)
-        shift = reverse and hi is not None
-        if _use_gluon(target, f, None):
-            bufs, launch = _gluon_launch(f, _gluon_config(target, f, None), reverse, shift)
-        else:
-            bufs, launch = _triton_launch(target, f, _triton_config(target, f, None), reverse, shift)
+        bufs, launch = plan_pass(qi, ki, vi, hi, reverse, reverse and hi is not None)
+        # the final state: "kv" (prefill kernels) or "states" (varlen kernel)
         names = {"q": qn, "k": kn, "v": vn, "kv_history": hn, "output": out, "kv": f"{out}_state",
-                 "seg_state": f"{out}_seg_state", "sync": f"{out}_sync"}
+                 "states": f"{out}_state", "seg_state": f"{out}_seg_state", "sync": f"{out}_sync"}
         for name, buf in bufs.items():
             buffers[names[name]] = buf
         launches.append(Launch(kernel=launch.kernel, grid=launch.grid,
@@ -162,7 +188,7 @@ def _forward_passes(target, p, grad_output: ArrayInfo, grad_kv: ArrayInfo | None
                                        for n, x in launch.params.items()},
                                writes=launch.writes, constexprs=launch.constexprs, num_warps=launch.num_warps,
                                num_stages=launch.num_stages))
-    if p.kv_history is not None:  # d kv_history = lambda G_0
+    if kv_history is not None:  # d kv_history = lambda G_0
         state_map("grad_v_state", ArrayInfo.contiguous((p.b, p.h, p.d, p.e), "float32"), "grad_kv_history", False)
     return tuple(launches)
 
@@ -295,6 +321,9 @@ def plan_lightning_attention_varlen_backward(
                "grad_kv_history": Buffer(states, "float32", zero_init=empty or kv_history is None)}
     if empty:
         return Plan(buffers, (), VARLEN_BACKWARD_RESULTS)
+    if config is None and not need_grad_ed:
+        return Plan(buffers, _varlen_forward_passes(target, p, cu_seqlens, kv_history, grad_output, grad_kv,
+                                                    buffers), VARLEN_BACKWARD_RESULTS)
     # [T, H, *]: no batch stride; a program's sequence offset comes from cu_seqlens
     strides = {n: (0, info.strides[1], info.strides[0])
                for n, info in (("q", p.q), ("k", p.k), ("v", p.v), ("o", grad_output))}

@@ -66,11 +66,20 @@ def _lightning_varlen_kernel(
     EVEN_D: tl.constexpr, EVEN_E: tl.constexpr, HAS_CACHE: tl.constexpr, SEGMENTED: tl.constexpr,
     DOT_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, ALIGN: tl.constexpr, OFFS_64: tl.constexpr,
     P1_T: tl.constexpr, P1_STAGES: tl.constexpr, SPLIT_STATE: tl.constexpr,
+    HIST_BY_SEQ: tl.constexpr, REVERSE: tl.constexpr, HIST_SHIFT: tl.constexpr,
 ):
     """One program per (work item, head, E-tile), items in ticket order.
 
     state_ptr is the slot cache (HAS_CACHE: read through cache_in_ptr, the same
     buffer, and written in place at slot_idx[b]) or the final states [B, H, D, E].
+    HIST_BY_SEQ (without a cache): sequence b starts from cache_in_ptr[b], a
+    [B, H, D, E] array with the final states' strides.
+
+    The backward (backward_plan.py) runs this recurrence on other operands, with
+    the prefill kernel's two variants (kernels.py, _lightning_prefill_kernel):
+    REVERSE walks each sequence from its last token to its first, HIST_SHIFT
+    lets the starting state enter the first token undecayed (the first item's
+    end decays it by lambda^(len - 1)).
     """
     # strides arrive divided by their alignment group ALIGN (core_kernels._triton_utils.jit)
     stride_qt, stride_qh, stride_kt, stride_kh = (stride_qt * ALIGN, stride_qh * ALIGN,
@@ -133,6 +142,9 @@ def _lightning_varlen_kernel(
         p_in = cache_in_ptr + tl.where(valid, slot, 0) * stride_cs + i_h * stride_ch
         b_s = _load_state(p_in, o_d, o_e, stride_cd, m_d & (valid & (j == 0)), m_e)
         b_s = tl.where((slot < -1) | (slot >= num_slots), float("nan"), b_s)
+    elif HIST_BY_SEQ:
+        b_s = _load_state(cache_in_ptr + i_b.to(tl.int64) * stride_cs + i_h * stride_ch, o_d, o_e, stride_cd,
+                          m_d & (j == 0), m_e)
     else:
         b_s = tl.full([BLOCK_D, BLOCK_E], 0.0, tl.float32)
     b_s = b_s.to(tl.float32)
@@ -144,7 +156,7 @@ def _lightning_varlen_kernel(
             b_l = _segment_contribution(k_ptr, v_ptr, base_k, base_v, stride_kt, stride_vt, s, seq_len,
                                         seg_t0, seg_t1, o_d, o_e, m_d, m_e, P1_T, P1_STAGES,
                                         BLOCK_D, BLOCK_E, EVEN_D, EVEN_E, DOT_BF16, SPLIT_STATE,
-                                        DOT_PRECISION, OFFS_64, False)
+                                        DOT_PRECISION, OFFS_64, REVERSE)
         if j > 0:  # look back: wait for the previous item's end state
             p_flag = sync_ptr + 1 + ticket - per_item
             ready = tl.atomic_add(p_flag, 0, sem="acquire")
@@ -153,7 +165,10 @@ def _lightning_varlen_kernel(
             offs = (w - 1).to(tl.int64) * stride_pw + o_d.to(tl.int64)[:, None] * stride_pd + o_e[None, :]
             b_s = tl.load(p_pub + offs, mask=m_d[:, None] & m_e[None, :], other=0.0, cache_modifier=".cg")
         if seg_t1 < seq_len:  # publish this item's end state, then raise its flag
-            b_end = b_s * tl.exp(-s * (seg_t1 - seg_t0).to(tl.float32)) + b_l
+            n_end = seg_t1 - seg_t0
+            if HIST_SHIFT:
+                n_end = n_end - (j == 0).to(tl.int32)
+            b_end = b_s * tl.exp(-s * n_end.to(tl.float32)) + b_l
             offs = w.to(tl.int64) * stride_pw + o_d.to(tl.int64)[:, None] * stride_pd + o_e[None, :]
             tl.store(p_pub + offs, b_end, mask=m_d[:, None] & m_e[None, :])
             tl.debug_barrier()
@@ -168,7 +183,8 @@ def _lightning_varlen_kernel(
         b_s = _chunk_step(q_ptr, k_ptr, v_ptr, o_ptr, base_q, base_k, base_v, base_o,
                           stride_qt, stride_kt, stride_vt, stride_ot, t0, n_valid, seq_len, b_s, s,
                           o_t, o_d, o_e, m_d, m_e, q_decay, causal_decay,
-                          DOT_BF16, SPLIT_STATE, DOT_PRECISION, EVEN_D, EVEN_E, OFFS_64, False, False)
+                          DOT_BF16, SPLIT_STATE, DOT_PRECISION, EVEN_D, EVEN_E, OFFS_64, REVERSE,
+                          HIST_SHIFT)
 
     # NOTE: the destination is worked out again here rather than kept from before
     # the loop: the loop sits at the 255-register limit, and every value live across

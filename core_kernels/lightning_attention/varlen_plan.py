@@ -216,17 +216,23 @@ def _config(target: Target, p: _Varlen, override) -> LightningVarlenConfig:
                                  o.num_stages or NUM_STAGES[p.dtype], seg, o.dot_precision)
 
 
-def _sequence_params(p: _Varlen) -> dict:
+def _sequence_params(p: _Varlen, history: str | None = None) -> dict:
     """The launch parameters both varlen kernels share: tokens, decay, the
-    sequences and the cache (dummies when absent, never read)."""
+    sequences and the cache, or the buffer named ``history`` for the Triton
+    kernel's HIST_BY_SEQ (dummies when absent, never read)."""
     return dict(q_ptr="q", k_ptr="k", v_ptr="v", decay_ptr="ed", cu_ptr="cu_seqlens",
                 slot_ptr="slot_idx" if p.has_cache else "cu_seqlens",
-                cache_in_ptr="kv_cache" if p.has_cache else "ed",
+                cache_in_ptr="kv_cache" if p.has_cache else history or "ed",
                 num_heads=Scalar(p.h), num_seqs=Scalar(p.b),
                 num_slots=Scalar(p.kv_cache.shape[0] if p.has_cache else 0))
 
 
-def _launch(target: Target, p: _Varlen, c: LightningVarlenConfig) -> Plan:
+def _launch(target: Target, p: _Varlen, c: LightningVarlenConfig, history: bool = False,
+            reverse: bool = False, hist_shift: bool = False) -> Plan:
+    """The Triton kernel's plan. For the backward (backward_plan.py), without a
+    cache: ``history`` starts sequence b from buffer "kv_history"[b] ([B, H, D, E]
+    contiguous float32); ``reverse`` and ``hist_shift`` are the kernel's REVERSE
+    and HIST_SHIFT."""
     n_e = cdiv(p.e, c.block_e)
     per_item = p.h * n_e
     # a cut only matters where some sequence can span a multiple of segment_len
@@ -240,7 +246,7 @@ def _launch(target: Target, p: _Varlen, c: LightningVarlenConfig) -> Plan:
     launch = Launch(
         kernel=_lightning_varlen_kernel, grid=(items * per_item,),
         params=dict(
-            **_sequence_params(p),
+            **_sequence_params(p, "kv_history" if history else None),
             head_k=Scalar(p.d), head_v=Scalar(p.e), seg_len=Scalar(c.segment_len if segmented else 0),
             search_steps=Scalar(p.b.bit_length()), stride_decay=Scalar(p.ed.strides[0]),
             **_aligned("stride_qt stride_qh", p.q.strides[:2]),
@@ -260,7 +266,8 @@ def _launch(target: Target, p: _Varlen, c: LightningVarlenConfig) -> Plan:
             # as the prefill: the state product from bf16 hi/lo pairs for fp32/fp16
             # whole tiles on the GPU (never under the interpreter, whose bf16 dot is broken)
             SPLIT_STATE=(not dot_bf16 and even_d and even_e and c.dot_precision == "tf32"
-                         and not target.interpret)),
+                         and not target.interpret),
+            HIST_BY_SEQ=history, REVERSE=reverse, HIST_SHIFT=hist_shift),
         num_warps=c.num_warps, num_stages=c.num_stages)
     return Plan(p.buffers(items, per_item, segmented), (launch,), p.results)
 

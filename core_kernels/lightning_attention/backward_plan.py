@@ -135,15 +135,21 @@ def _forward_passes(target, p, grad_output: ArrayInfo, grad_kv: ArrayInfo | None
 
 def _varlen_forward_passes(target, p, cu_seqlens: ArrayInfo, kv_history: ArrayInfo | None,
                            grad_output: ArrayInfo, grad_kv: ArrayInfo | None, buffers: dict) -> tuple:
-    """_forward_passes for packed sequences: the varlen Triton kernel per pass
-    (each sequence walked, reversed and shifted on its own; the history of
-    sequence b is row b), and d kv_history copied undecayed for an empty
-    sequence (its final state is its history: G_0 = dKV)."""
-    from .varlen_plan import _config as _varlen_config, _launch as _varlen_launch, _validate as _validate_varlen
+    """_forward_passes for packed sequences: per pass the varlen kernel the
+    forward would run (Gluon or Triton; each sequence walked, reversed and
+    shifted on its own; the history of sequence b is row b), and d kv_history
+    copied undecayed for an empty sequence (its final state is its history:
+    G_0 = dKV)."""
+    from . import varlen_plan as vp
 
     def plan_pass(qi, ki, vi, hi, reverse, shift):
-        f = _validate_varlen(qi, ki, vi, p.ed, cu_seqlens, None, None, 256)
-        plan = _varlen_launch(target, f, _varlen_config(target, f, None), hi is not None, reverse, shift)
+        f = vp._validate(qi, ki, vi, p.ed, cu_seqlens, None, None, 256)
+        if f.t == 0:  # no token: the Triton kernel's one item per sequence carries the history
+            plan = vp._launch(target, f, vp._config(target, f, None), hi is not None, reverse, shift)
+        elif vp._use_gluon(target, f, None):
+            plan = vp._gluon_launch(f, vp._gluon_config(target, f, None), hi is not None, reverse, shift)
+        else:
+            plan = vp._launch(target, f, vp._config(target, f, None), hi is not None, reverse, shift)
         return plan.buffers, plan.launches[0]
 
     return _passes(p, kv_history, grad_output, grad_kv, buffers, plan_pass, True)

@@ -396,7 +396,10 @@ def _bf16_chunks(b_s, q_ring, k_ring, v_ring, s_smem, vd_smem, c_lo, c_hi, kv_ba
         qd = q_decay
         if HIST_SHIFT:
             qd = gl.where(c == 0, q_decay0, q_decay)
-            cd = gl.where(c == 0, chunk_decay0, cd)
+            if MASKED:  # chunk 0 of n tokens decays the history by lambda^(n-1)
+                cd = gl.where(c == 0, gl.exp(-s * (n - 1).to(gl.float32)), cd)
+            else:
+                cd = gl.where(c == 0, chunk_decay0, cd)
         # operands made in registers: the state (for q S) and the decayed v (for k^T v_d)
         s_smem.store(b_s.to(gl.bfloat16))
         b_v = v_s.load(ld_v).to(gl.float32)
@@ -535,7 +538,10 @@ def _tf32_state_partition(b_s, q_ring, k_ring, v_ring, st_buf, vt_buf, ready, st
         if MASKED:  # whole chunks: the same decays as unmasked (bitwise)
             # (not `n`: that is the ring phase's count, still needed below)
             n_tok = gl.minimum(seq_len - c * T, T)
-            b_s = b_s * gl.where(n_tok == T, chunk_decay, _exp2_ftz(n_tok.to(gl.float32) * s_log2))
+            n_dec = n_tok
+            if HIST_SHIFT:  # chunk 0 decays the history by lambda^(n_tok-1)
+                n_dec = n_tok - (c == 0).to(gl.int32)
+            b_s = b_s * gl.where(n_dec == T, chunk_decay, _exp2_ftz(n_dec.to(gl.float32) * s_log2))
             k_decay = gl.where(t_a < n_tok, _exp2_ftz((n_tok - 1 - t_a).to(gl.float32) * s_log2), 0.0)
         elif HIST_SHIFT:  # chunk 0 decays the history by lambda^(T-1) (see the kernel)
             b_s = b_s * gl.where(c == 0, _exp2_ftz((T - 1) * s_log2), chunk_decay)
@@ -760,12 +766,13 @@ def _longest_first(cu_ptr, w, num_seqs, BP: gl.constexpr):
 def _varlen_program(cu_ptr, num_seqs, num_heads, decay_ptr, stride_decay, q_ptr, k_ptr, v_ptr, o_ptr,
                     stride_qh, stride_kh, stride_vh, T: gl.constexpr, E: gl.constexpr, BE: gl.constexpr,
                     ALIGN: gl.constexpr, STRIDE_QT: gl.constexpr, STRIDE_KT: gl.constexpr,
-                    STRIDE_VT: gl.constexpr, ORDER_B: gl.constexpr):
+                    STRIDE_VT: gl.constexpr, ORDER_B: gl.constexpr, REVERSE: gl.constexpr = False):
     """This program's (sequence, h, E-tile): program w * H * N_E + r takes the
     sequence of rank w (longest first when ORDER_B > 0, so that the longest
     sequences start first and short ones fill the end of the grid; else
     sequence w), head r // N_E, E-tile r % N_E. Returns the sequence index, its
-    length and chunk count, the head, e0, the decay rate and the q, k, v, o bases."""
+    length and chunk count, the head, e0, the decay rate and the q, k, v, o bases
+    (REVERSE: of the sequence's last token, as _program's)."""
     N_E: gl.constexpr = E // BE
     per_seq = num_heads * N_E
     pid = gl.program_id(0)
@@ -782,6 +789,8 @@ def _varlen_program(cu_ptr, num_seqs, num_heads, decay_ptr, stride_decay, q_ptr,
     s = gl.load(decay_ptr + i_h * stride_decay)
     s = gl.where(s > 1e30, 1e30, s)  # s = +inf (lambda = 0) without NaN: see kernels.py's NOTE
     tok0 = seq_start.to(gl.int64)
+    if REVERSE:  # (an empty sequence has no chunk: its bases are never read)
+        tok0 = tok0 + seq_len - 1
     base_q = q_ptr + (tok0 * STRIDE_QT + i_h * (stride_qh * ALIGN))
     base_k = k_ptr + (tok0 * STRIDE_KT + i_h * (stride_kh * ALIGN))
     base_v = v_ptr + (tok0 * STRIDE_VT + i_h * (stride_vh * ALIGN) + e0)
@@ -793,12 +802,13 @@ def _varlen_program(cu_ptr, num_seqs, num_heads, decay_ptr, stride_decay, q_ptr,
 def _varlen_state(state_ptr, slot_ptr, i_b, i_h, e0, seq_len, num_heads, num_slots, stride_cs, stride_ch,
                   STRIDE_CD: gl.constexpr, D: gl.constexpr, E: gl.constexpr, BE: gl.constexpr,
                   ALIGN: gl.constexpr, HAS_CACHE: gl.constexpr, mma_te: gl.constexpr, b_s=None,
-                  STORE: gl.constexpr = False):
+                  STORE: gl.constexpr = False, HIST_BY_SEQ: gl.constexpr = False):
     """A sequence's state in the MMA layout, read (STORE False: the starting
     state) or written (STORE: its final state b_s). With the cache: slot
     slot_idx[i_b]; -1 starts from zero and writes nothing, an id outside [-1,
     num_slots) (device data nobody checked) starts from NaN and writes nothing,
-    and an empty sequence leaves its slot alone. Without: zero / states[i_b].
+    and an empty sequence leaves its slot alone. Without: zero (HIST_BY_SEQ:
+    state_ptr[i_b], a contiguous [B, H, D, E]) / states[i_b].
     NOTE: the cache's row stride is a constexpr: as a runtime value the
     state's offsets, the same expression at the start and at the end, were
     kept live across the loop (sm_90 ptxas: 96 bytes/thread of spills)."""
@@ -815,9 +825,11 @@ def _varlen_state(state_ptr, slot_ptr, i_b, i_h, e0, seq_len, num_heads, num_slo
             b_s = gl.load(p + offs, mask=(offs >= 0) & valid, other=0.0)
             b_s = gl.where((slot < -1) | (slot >= num_slots), float("nan"), b_s)
     else:
+        p = state_ptr + ((i_b.to(gl.int64) * num_heads + i_h) * D * E + e0)
         if STORE:
-            p = state_ptr + ((i_b.to(gl.int64) * num_heads + i_h) * D * E + e0)
             gl.store(p + r_s[:, None] * E + c_s[None, :], b_s)
+        elif HIST_BY_SEQ:
+            b_s = gl.load(p + r_s[:, None] * E + c_s[None, :])
         else:
             b_s = gl.zeros([D, BE], gl.float32, layout=mma_te)
     return b_s
@@ -832,6 +844,7 @@ def _gluon_varlen_kernel(
     T: gl.constexpr, D: gl.constexpr, E: gl.constexpr, BE: gl.constexpr, STAGES: gl.constexpr,
     HAS_CACHE: gl.constexpr, ORDER_B: gl.constexpr, ALIGN: gl.constexpr, STRIDE_QT: gl.constexpr,
     STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr, STRIDE_OT: gl.constexpr, STRIDE_CD: gl.constexpr,
+    HIST_BY_SEQ: gl.constexpr, REVERSE: gl.constexpr, HIST_SHIFT: gl.constexpr,
 ):
     """lightning_attention_varlen in bf16 (varlen_kernels.py's math, the Gluon
     prefill's chunk loop): one program per (sequence, h, E-tile), 4 warps.
@@ -848,18 +861,25 @@ def _gluon_varlen_kernel(
     p_op: gl.constexpr = _bf16_layout("p_op", T, D, BE)
     i_b, i_h, e0, s, seq_len, num_chunks, base_q, base_k, base_v, base_o = _varlen_program(
         cu_ptr, num_seqs, num_heads, decay_ptr, stride_decay, q_ptr, k_ptr, v_ptr, o_ptr, stride_qh,
-        stride_kh, stride_vh, T, E, BE, ALIGN, STRIDE_QT, STRIDE_KT, STRIDE_VT, ORDER_B)
+        stride_kh, stride_vh, T, E, BE, ALIGN, STRIDE_QT, STRIDE_KT, STRIDE_VT, ORDER_B, REVERSE)
+    SQT: gl.constexpr = _signed(STRIDE_QT, REVERSE)
+    SKT: gl.constexpr = _signed(STRIDE_KT, REVERSE)
+    SVT: gl.constexpr = _signed(STRIDE_VT, REVERSE)
+    SOT: gl.constexpr = _signed(STRIDE_OT, REVERSE)
 
     (q_ring, k_ring, v_ring, s_smem, vd_smem, offs_q, offs_k, offs_v, r_qk, r_v,
-     c_v) = _bf16_buffers(T, D, BE, STAGES, STRIDE_QT, STRIDE_KT, STRIDE_VT)
+     c_v) = _bf16_buffers(T, D, BE, STAGES, SQT, SKT, SVT)
     q_decay, k_decay, causal, chunk_decay = _bf16_decays(s, r_v, T, mma_tt, mma_te)
+    q_decay0 = None
+    if HIST_SHIFT:  # the history enters the first token undecayed (as _gluon_prefill_kernel)
+        q_decay0 = gl.exp(-s * gl.arange(0, T, layout=gl.SliceLayout(1, mma_te)).to(gl.float32))
     b_s = _varlen_state(cache_in_ptr, slot_ptr, i_b, i_h, e0, seq_len, num_heads, num_slots, stride_cs,
-                        stride_ch, STRIDE_CD, D, E, BE, ALIGN, HAS_CACHE, mma_te)
+                        stride_ch, STRIDE_CD, D, E, BE, ALIGN, HAS_CACHE, mma_te, HIST_BY_SEQ=HIST_BY_SEQ)
     b_s = _bf16_chunks(b_s, q_ring, k_ring, v_ring, s_smem, vd_smem, 0, num_chunks, o_ptr, 0, base_q,
-                       base_k, base_v, base_o, offs_q, offs_k, offs_v, r_v[:, None] * STRIDE_OT + c_v[None, :],
+                       base_k, base_v, base_o, offs_q, offs_k, offs_v, r_v[:, None] * SOT + c_v[None, :],
                        q_decay, k_decay, causal, chunk_decay, T, D, E, BE, STAGES, 0,
-                       STRIDE_QT, STRIDE_KT, STRIDE_VT, STRIDE_OT, ld_v, mma_tt, mma_te, p_op,
-                       seq_len, s, r_qk, r_v, True)
+                       SQT, SKT, SVT, SOT, ld_v, mma_tt, mma_te, p_op,
+                       seq_len, s, r_qk, r_v, True, q_decay0=q_decay0, HIST_SHIFT=HIST_SHIFT)
     _varlen_state(state_ptr, slot_ptr, i_b, i_h, e0, seq_len, num_heads, num_slots, stride_cs, stride_ch,
                   STRIDE_CD, D, E, BE, ALIGN, HAS_CACHE, mma_te, b_s, True)
 
@@ -873,6 +893,7 @@ def _gluon_varlen_tf32_kernel(
     T: gl.constexpr, D: gl.constexpr, E: gl.constexpr, BE: gl.constexpr, STAGES: gl.constexpr,
     HAS_CACHE: gl.constexpr, ORDER_B: gl.constexpr, ALIGN: gl.constexpr, STRIDE_QT: gl.constexpr,
     STRIDE_KT: gl.constexpr, STRIDE_VT: gl.constexpr, STRIDE_OT: gl.constexpr, STRIDE_CD: gl.constexpr,
+    HIST_BY_SEQ: gl.constexpr, REVERSE: gl.constexpr, HIST_SHIFT: gl.constexpr,
     WS_REGS: gl.constexpr,
 ):
     """_gluon_varlen_kernel for fp32 inputs: the warp-specialised tf32 loop of
@@ -883,18 +904,22 @@ def _gluon_varlen_tf32_kernel(
     gl.static_assert(STAGES == 2, "the warp-specialised loop keeps a 2-deep load ring")
     i_b, i_h, e0, s, seq_len, num_chunks, base_q, base_k, base_v, base_o = _varlen_program(
         cu_ptr, num_seqs, num_heads, decay_ptr, stride_decay, q_ptr, k_ptr, v_ptr, o_ptr, stride_qh,
-        stride_kh, stride_vh, T, E, BE, ALIGN, STRIDE_QT, STRIDE_KT, STRIDE_VT, ORDER_B)
+        stride_kh, stride_vh, T, E, BE, ALIGN, STRIDE_QT, STRIDE_KT, STRIDE_VT, ORDER_B, REVERSE)
+    SQT: gl.constexpr = _signed(STRIDE_QT, REVERSE)
+    SKT: gl.constexpr = _signed(STRIDE_KT, REVERSE)
+    SVT: gl.constexpr = _signed(STRIDE_VT, REVERSE)
+    SOT: gl.constexpr = _signed(STRIDE_OT, REVERSE)
 
     (q_ring, k_ring, v_ring, st_buf, vt_buf, offs_q, offs_k, offs_v, r_qk, r_v,
-     c_v) = _tf32_buffers(T, D, BE, STAGES, STRIDE_QT, STRIDE_KT, STRIDE_VT)
+     c_v) = _tf32_buffers(T, D, BE, STAGES, SQT, SKT, SVT)
     s_log2 = -s * 1.4426950408889634  # lambda^x = 2^(x * s_log2)
     r_s = gl.arange(0, D, layout=gl.SliceLayout(1, mma_te))
     c_s = gl.arange(0, BE, layout=gl.SliceLayout(0, mma_te))
     b_s = _varlen_state(cache_in_ptr, slot_ptr, i_b, i_h, e0, seq_len, num_heads, num_slots, stride_cs,
-                        stride_ch, STRIDE_CD, D, E, BE, ALIGN, HAS_CACHE, mma_te)
+                        stride_ch, STRIDE_CD, D, E, BE, ALIGN, HAS_CACHE, mma_te, HIST_BY_SEQ=HIST_BY_SEQ)
     b_s = _tf32_loop(b_s, q_ring, k_ring, v_ring, st_buf, vt_buf, 0, num_chunks, o_ptr, r_s, c_s, base_q,
                      base_k, base_v, base_o, offs_q, offs_k, offs_v, s_log2, gl.exp(-s * T), T, D, E, BE, 0,
-                     STRIDE_QT, STRIDE_KT, STRIDE_VT, STRIDE_OT, ld_vt, a_op, mma_te, WS_REGS,
-                     seq_len, r_qk, r_v, True)
+                     SQT, SKT, SVT, SOT, ld_vt, a_op, mma_te, WS_REGS,
+                     seq_len, r_qk, r_v, True, HIST_SHIFT)
     _varlen_state(state_ptr, slot_ptr, i_b, i_h, e0, seq_len, num_heads, num_slots, stride_cs, stride_ch,
                   STRIDE_CD, D, E, BE, ALIGN, HAS_CACHE, mma_te, b_s, True)

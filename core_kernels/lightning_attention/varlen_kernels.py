@@ -165,10 +165,10 @@ def _lightning_varlen_kernel(
             offs = (w - 1).to(tl.int64) * stride_pw + o_d.to(tl.int64)[:, None] * stride_pd + o_e[None, :]
             b_s = tl.load(p_pub + offs, mask=m_d[:, None] & m_e[None, :], other=0.0, cache_modifier=".cg")
         if seg_t1 < seq_len:  # publish this item's end state, then raise its flag
-            n_end = seg_t1 - seg_t0
-            if HIST_SHIFT:
-                n_end = n_end - (j == 0).to(tl.int32)
-            b_end = b_s * tl.exp(-s * n_end.to(tl.float32)) + b_l
+            if HIST_SHIFT:  # the first item's end: the history decayed one token less
+                b_end = b_s * tl.exp(-s * (seg_t1 - seg_t0 - (j == 0).to(tl.int32)).to(tl.float32)) + b_l
+            else:
+                b_end = b_s * tl.exp(-s * (seg_t1 - seg_t0).to(tl.float32)) + b_l
             offs = w.to(tl.int64) * stride_pw + o_d.to(tl.int64)[:, None] * stride_pd + o_e[None, :]
             tl.store(p_pub + offs, b_end, mask=m_d[:, None] & m_e[None, :])
             tl.debug_barrier()

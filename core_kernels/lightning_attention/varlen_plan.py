@@ -328,7 +328,9 @@ def _gluon_config(target: Target, p: _Varlen, override) -> LightningVarlenGluonC
     return LightningVarlenGluonConfig(stages, bool(longest))
 
 
-def _gluon_launch(p: _Varlen, c: LightningVarlenGluonConfig) -> Plan:
+def _gluon_launch(p: _Varlen, c: LightningVarlenGluonConfig, history: bool = False, reverse: bool = False,
+                  hist_shift: bool = False) -> Plan:
+    """The Gluon kernels' plan; ``history``, ``reverse``, ``hist_shift``: as _launch's."""
     from .gluon_kernels import _gluon_varlen_kernel, _gluon_varlen_tf32_kernel
     fp32 = p.dtype == "float32"
     per_seq = p.h * (p.e // GLUON_BE)
@@ -336,7 +338,7 @@ def _gluon_launch(p: _Varlen, c: LightningVarlenGluonConfig) -> Plan:
     launch = Launch(
         kernel=_gluon_varlen_tf32_kernel if fp32 else _gluon_varlen_kernel, grid=(p.b * per_seq,),
         params=dict(
-            **_sequence_params(p),
+            **_sequence_params(p, "kv_history" if history else None),
             stride_decay=Scalar(p.ed.strides[0]),
             **_aligned("stride_qh stride_kh stride_vh", (p.q.strides[1], p.k.strides[1], p.v.strides[1])),
             **_aligned("stride_cs stride_ch", state[:2]),
@@ -345,7 +347,8 @@ def _gluon_launch(p: _Varlen, c: LightningVarlenGluonConfig) -> Plan:
         constexprs=dict(T=GLUON_T, D=p.d, E=p.e, BE=GLUON_BE, STAGES=c.stages, HAS_CACHE=p.has_cache,
                         ORDER_B=next_pow2(p.b) if c.longest_first else 0,
                         STRIDE_QT=p.q.strides[0], STRIDE_KT=p.k.strides[0], STRIDE_VT=p.v.strides[0],
-                        STRIDE_OT=p.h * p.e, STRIDE_CD=state[2], **(dict(WS_REGS=GLUON_TF32_WS_REGS) if fp32 else {})),
+                        STRIDE_OT=p.h * p.e, STRIDE_CD=state[2], HIST_BY_SEQ=history, REVERSE=reverse,
+                        HIST_SHIFT=hist_shift, **(dict(WS_REGS=GLUON_TF32_WS_REGS) if fp32 else {})),
         # fp32: 4 warps compile the kernel; its worker partition adds 4 more at launch
         num_warps=4, num_stages=1)
     return Plan(p.buffers(launched=True), (launch,), p.results)

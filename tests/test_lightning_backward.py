@@ -444,15 +444,16 @@ def test_varlen_forward_form_matches_reference_and_jax_bitwise(cache):
 @pytest.mark.parametrize("cache", [False, True])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_varlen_forward_form_gluon(dtype, cache):
-    """The Gluon varlen kernels reversed and shifted (D = E = 128, enough heads
-    for one program per sequence): an empty, a one-token, a partial-chunk and a
-    long sequence; with the cache, from their slots. Checked against the
-    reference, and the plan checked to run the Gluon kernels."""
+    """The Gluon varlen kernels reversed and shifted (D = E = 128): an empty, a
+    one-token, partial-chunk and multi-chunk sequences; with the cache, from
+    their slots. Checked against the reference, and the plan checked to run the
+    Gluon kernels."""
     from adapters.torch._executor import info, target_for
     from core_kernels.lightning_attention import plan_lightning_attention_varlen_backward
-    lens, slots = [300, 0, 1, 4097, 64, 700], [3, 0, -1, 5, 1, 2]
-    c = _cache_case(lens, slots, 64, 128, 128, dtype, seed=12) if cache else \
-        _varlen_case(lens, 64, 128, 128, dtype, seed=12)
+    # 8 sequences x 16 heads x 2 E-tiles: enough programs for the Gluon kernels (asserted below)
+    lens, slots = [300, 0, 1, 700, 64, 200, 129, 500], [3, 0, -1, 5, 1, 2, 7, 6]
+    c = _cache_case(lens, slots, 16, 128, 128, dtype, seed=12, num_slots=8) if cache else \
+        _varlen_case(lens, 16, 128, 128, dtype, seed=12)
     names = ("q", "k", "v", "cache") if cache else ("q", "k", "v")
     t = {n: to_torch(c[n]).requires_grad_(True) for n in names}
     ed, cu = to_torch(c["ed"]), to_torch(c["cu"])
@@ -463,7 +464,7 @@ def test_varlen_forward_form_gluon(dtype, cache):
     got = [torch_to_numpy(t[n].grad) for n in names]
     want = _cache_reference(c) if cache else _varlen_reference(c)
     check(got[:3] + [got[3] if cache else None, None], want[:4] + (None,), dtype, f"torch varlen Gluon {dtype}")
-    st = info(torch.zeros(len(lens), 64, 128, 128, device=cu.device))
+    st = info(torch.zeros(len(lens), 16, 128, 128, device=cu.device))
     plan = plan_lightning_attention_varlen_backward(target_for(cu.device), *(info(t[n]) for n in ("q", "k", "v")),
                                                     info(ed), info(cu), st, info(t["q"]), st,
                                                     st if cache else None, need_grad_ed=False)

@@ -17,7 +17,8 @@ itself on other operands (_forward_passes), so they run the forward's kernels
 token walked undecayed: G_{N-1} = q^T dO + dKV, not lambda dKV. Otherwise (the
 decay's gradient, or gradients on per-block states, or a
 LightningBackwardConfig): the scan kernels of backward_kernels.py, which also
-carry the decay's tangent."""
+carry the decay's tangent. Packed sequences (plan_lightning_attention_varlen_backward)
+take the same two forms, each sequence on its own."""
 from __future__ import annotations
 
 import dataclasses
@@ -304,8 +305,10 @@ def plan_lightning_attention_varlen_backward(
     (kv's shape, contiguous float32) or None. Results: "grad_q", "grad_k"
     [T, H, D], "grad_v" [T, H, E] in q's dtype, contiguous; "grad_ed" [H]
     float32 (zeros unless ``need_grad_ed``); "grad_kv_history" [B, H, D, E]
-    float32 (zeros without kv_history). The kernels of the dense backward, one
-    program per (sequence, head, tile); deterministic."""
+    float32 (zeros without kv_history). Deterministic. The forms of the dense
+    backward: with ed constant the varlen forward kernels run the three passes
+    (_varlen_forward_passes), otherwise the scan kernels, one program per
+    (sequence, head, tile)."""
     from .varlen_plan import _validate as _validate_varlen
     check_config(config, (LightningBackwardConfig,))
     p = _validate_varlen(q, k, v, ed, cu_seqlens, None, None, 256)

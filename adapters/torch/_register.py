@@ -130,7 +130,6 @@ def custom_op(name: str, impl, mutates_args=(), fake=None, autograd=None, differ
         return result
 
     call.op = op
-    call.eager_autograd = eager_autograd
     call.mutates_args = tuple(mutates_args)
     call.has_backward = has_backward or differentiable is not None
     OPS[name] = call

@@ -145,9 +145,8 @@ def _varlen_forward_passes(target, p, cu_seqlens: ArrayInfo, kv_history: ArrayIn
 
     def plan_pass(qi, ki, vi, hi, reverse, shift):
         f = vp._validate(qi, ki, vi, p.ed, cu_seqlens, None, None, 256)
-        if f.t == 0:  # no token: the Triton kernel's one item per sequence carries the history
-            plan = vp._launch(target, f, vp._config(target, f, None), hi is not None, reverse, shift)
-        elif vp._use_gluon(target, f, None):
+        # (no token at all: the Triton kernel, whose one item per sequence carries the history)
+        if f.t and vp._use_gluon(target, f, None):
             plan = vp._gluon_launch(f, vp._gluon_config(target, f, None), hi is not None, reverse, shift)
         else:
             plan = vp._launch(target, f, vp._config(target, f, None), hi is not None, reverse, shift)

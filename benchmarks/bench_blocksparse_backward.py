@@ -123,11 +123,9 @@ def run():
         sweep(q.detach(), k.detach(), v.detach(), go, cu, crow, col, scale, bs, n)
 
 
-# BlocksparseBackwardConfig grid of the sweep: (block_m, block_n, dq_warps, dkdv_warps, stages,
-# ds_workspace_bytes); the dS workspace applies to block_size tiles only
-SWEEP_CONFIGS = [(bm, bn, wq, wk, st, ds) for bm, bn in ((64, 64), (32, 64), (64, 32), (32, 32))
-                 for wq in (4, 8) for wk in (4, 8) for st in (2, 3)
-                 for ds in ((1 << 31, 0) if (bm, bn) == (64, 64) else (0,))]
+# BlocksparseBackwardConfig grid of the sweep: (block_m, block_n, dq_warps, dkdv_warps, stages)
+SWEEP_CONFIGS = [(bm, bn, wq, wk, st) for bm, bn in ((64, 64), (32, 64), (64, 32), (32, 32))
+                 for wq in (4, 8) for wk in (4, 8) for st in (2, 3)]
 SWEEP = os.environ.get("BLOCKSPARSE_BWD_SWEEP") == "1"   # the config sweep (and each launch alone)
 if os.environ.get("BLOCKSPARSE_BWD_SWEEP_TILES"):  # e.g. "64x64": only those (block_m, block_n) tiles
     _tiles = {tuple(int(x) for x in t.split("x")) for t in os.environ["BLOCKSPARSE_BWD_SWEEP_TILES"].split(",")}
@@ -161,7 +159,7 @@ def sweep(q, k, v, go, cu, crow, col, scale, bs, n):
         given = {**tensors, **{b: full[b] for b in default.buffers if b not in written}}
         t = kernel_time_torch(lambda one=one, given=given: run_plan(one, given))
         print(f"  {launch.kernel.fn.__name__:36s}{t * 1e3:9.3f} ms")
-    print(f"{'config (bm, bn, dq_warps, dkdv_warps, stages, ds bytes)':56s}{'bwd_ms':>9s}")
+    print(f"{'config (bm, bn, dq_warps, dkdv_warps, stages)':56s}{'bwd_ms':>9s}")
     for cfg in [None] + SWEEP_CONFIGS:
         try:
             plan = default if cfg is None else plan_blocksparse_attention_backward(

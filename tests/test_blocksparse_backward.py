@@ -195,37 +195,6 @@ class TestJax(JaxAdapter, BlocksparseBackwardTests):
         got = aj.blocksparse_flash_attn_varlen_backward(*args, out, lse, to_jax(c["go"]), *idx, **opts)
         check_grads([np.asarray(x) for x in got], reference(c, 0.3), "float32")
 
-    # two more forms of the dS workspace (the default stores every tile here): some
-    # recomputed past the capacity (15 tiles per head here, of 29-34), none (0)
-    @pytest.mark.parametrize("budget", [61_440, 0])
-    def test_explicit_backward_ds_workspace_forms(self, budget):
-        """Sequences with cached prefixes, an empty one and a prefill, over 12
-        layout rows, GQA, per-head layout, each workspace form."""
-        import adapters.jax as aj
-        from core_kernels.blocksparse_attention import BlocksparseBackwardConfig
-        c = make_case([(40, 90), (0, 20), (25, 25), (60, 192)], 4, 2, 16, "float32", nb=12, local=2,
-                      stride=3)
-        args = [to_jax(c[n]) for n in ("q", "k", "v")]
-        idx = (to_jax(c["cu_k"]), to_jax(c["cu_q"]), 0.3, (to_jax(c["crow"]), to_jax(c["col"])))
-        opts = dict(block_size=c["bs"], max_seqlen=c["max_seqlen"])
-        out, lse = aj.blocksparse_flash_attn_varlen_fwd_lse(*args, *idx, **opts)
-        config = None if budget is None else BlocksparseBackwardConfig(16, 16, 4, 4, 2, budget)
-        got = aj.blocksparse_flash_attn_varlen_backward(*args, out, lse, to_jax(c["go"]), *idx, **opts,
-                                                        config=config)
-        check_grads([np.asarray(x) for x in got], reference(c, 0.3), "float32")
-
-    def test_explicit_backward_decode_batch(self):
-        """One query per sequence (no cu_seqlens_q): the dS workspace's slots per
-        sequence are one row's."""
-        import adapters.jax as aj
-        c = make_case([(1, 37), (1, 64), (1, 5)], 4, 1, 16, "float32", nb=4, local=1, stride=2)
-        args = [to_jax(c[n]) for n in ("q", "k", "v")]
-        idx = (to_jax(c["cu_k"]), None, 0.3, (to_jax(c["crow"]), to_jax(c["col"])))
-        opts = dict(block_size=c["bs"], max_seqlen=c["max_seqlen"])
-        out, lse = aj.blocksparse_flash_attn_varlen_fwd_lse(*args, *idx, **opts)
-        got = aj.blocksparse_flash_attn_varlen_backward(*args, out, lse, to_jax(c["go"]), *idx, **opts)
-        check_grads([np.asarray(x) for x in got], reference(c, 0.3), "float32")
-
     def test_module_and_vmap_of_grad(self):
         import jax
         import adapters.jax as aj

@@ -49,19 +49,16 @@ def _dot(a, b, IS_FP32: tl.constexpr):
 def _bsattn_bwd_colmask_kernel(
     # input pointers
     crow_ptr, col_ptr,
-    # output pointers (pos: written with STORE_POS only)
-    pos_ptr, colmask_ptr,
+    # output pointers
+    colmask_ptr,
     # constexprs
     num_rows: tl.constexpr, stride_crow_h: tl.constexpr, stride_col_h: tl.constexpr,
-    GROUP: tl.constexpr, WORDS: tl.constexpr, CNT_CHUNK: tl.constexpr, STORE_POS: tl.constexpr,
+    GROUP: tl.constexpr, WORDS: tl.constexpr, CNT_CHUNK: tl.constexpr,
 ):
     """Program (layout head, query row qb): sets bit qb of colmask[h, kb, qb // 32]
     for every key block kb <= qb of the union of qb's q block rows. colmask is
     zeroed by the executor; the bits are set with atomic ORs, which commute, so
-    the mask is the same whatever order the programs run in. With STORE_POS
-    (GROUP == 1) also pos[h, kb, qb] = kb's index in row qb's column list (the
-    dS workspace's slot within the row); entries whose bit is clear are not
-    written and never read."""
+    the mask is the same whatever order the programs run in."""
     pid = tl.program_id(0)
     qb = pid % num_rows
     i_h = pid // num_rows
@@ -77,8 +74,6 @@ def _bsattn_bwd_colmask_kernel(
             o = off + o_c
             b_c = tl.load(p_col + o, mask=o < end, other=num_rows)        # [CNT_CHUNK] key blocks
             tl.atomic_or(p_mask + b_c * WORDS, o_c * 0 + bit, mask=b_c <= qb, sem="relaxed")
-            if STORE_POS:
-                tl.store(pos_ptr + (i_h * num_rows + b_c) * num_rows + qb, o - start, mask=b_c <= qb)
 
 
 @triton.jit
@@ -94,48 +89,6 @@ def _load_query_tile(q_ptr, do_ptr, lse_ptr, delta_ptr, q_rows, i_h, o_d, m_m, m
     b_lse2 = tl.load(lse_ptr + q_rows * num_heads + i_h, mask=m_m, other=0.0) * LOG2E
     b_delta = tl.load(delta_ptr + q_rows * num_heads + i_h, mask=m_m, other=0.0)
     return b_q, b_do, b_lse2, b_delta
-
-
-@jit
-def _bsattn_bwd_delta_kernel(
-    # input pointers
-    out_ptr, do_ptr,
-    # runtime scalars
-    num_tokens,
-    # output pointers
-    delta_ptr,
-    # constexprs
-    num_heads: tl.constexpr, head_size: tl.constexpr, stride_ot: tl.constexpr,
-    stride_oh: tl.constexpr, stride_dot: tl.constexpr, stride_doh: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """delta [Tq, Hq] fp32 = rowsum(dO * O), ROWS (token, head) rows per program
-    (the dS-workspace form of the backward, whose dK/dV kernel runs first)."""
-    o_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    m_r = o_r < num_tokens * num_heads
-    t = (o_r // num_heads).to(tl.int64)
-    h = o_r % num_heads
-    o_d = tl.arange(0, BLOCK_D)
-    m = m_r[:, None] & (o_d < head_size)[None, :]
-    b_o = tl.load(out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + o_d[None, :], mask=m,
-                  other=0.0)
-    b_do = tl.load(do_ptr + t[:, None] * stride_dot + h[:, None] * stride_doh + o_d[None, :], mask=m,
-                   other=0.0)
-    tl.store(delta_ptr + o_r, _sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1), mask=m_r)
-
-
-@triton.jit
-def _ds_base(p_crow, sel, k_len_b, q_len_b, num_rows: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """Where the selected sequence's dS tiles start in its head's part of the
-    workspace, less crow[first query row]: a tile (query row qb, entry e of the
-    row's column list) sits at slot base + crow[qb] + e. The sequences' tiles
-    follow each other, each sequence's rows in order (every entry of its query
-    rows counted)."""
-    has = q_len_b > 0
-    c0_b = tl.load(p_crow + tl.minimum((k_len_b - q_len_b) // BLOCK_SIZE, num_rows), mask=has, other=0)
-    c1_b = tl.load(p_crow + tl.minimum((k_len_b - 1) // BLOCK_SIZE + 1, num_rows), mask=has, other=0)
-    n_b = c1_b - c0_b
-    return _pick(sel, tl.associative_scan(n_b, 0, _add) - n_b - c0_b)
 
 
 @triton.jit
@@ -174,11 +127,11 @@ def _dq_step(b_dq, b_q, b_do, b_lse2, b_delta, k_ptrs, v_ptrs, kpos, q_pos, k_le
 @jit
 def _bsattn_bwd_dq_kernel(
     # input pointers
-    q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, cu_k_ptr, cu_q_ptr, crow_ptr, col_ptr, ds_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, cu_k_ptr, cu_q_ptr, crow_ptr, col_ptr,
     # runtime scalars
-    num_seqs, ds_cap,
-    # output pointers (delta: an input with FROM_DS)
-    delta_ptr, dq_ptr,
+    num_seqs,
+    # output pointers
+    dq_ptr, delta_ptr,
     # constexprs
     num_heads: tl.constexpr, num_rows: tl.constexpr, head_size: tl.constexpr,
     num_queries_per_kv: tl.constexpr,
@@ -190,15 +143,10 @@ def _bsattn_bwd_dq_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, GROUP: tl.constexpr, B_P2: tl.constexpr, NNZ_P2: tl.constexpr,
     CNT_CHUNK: tl.constexpr, DECODE_Q: tl.constexpr, EVEN_D: tl.constexpr, IS_FP32: tl.constexpr,
-    QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr, FROM_DS: tl.constexpr,
+    QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
 ):
     """dQ [Tq, Hq, D] (q's dtype): the forward's tile schedule and column walk;
-    delta [Tq, Hq] fp32 = rowsum(dO * O) of the tile's rows as well.
-
-    FROM_DS (GROUP == 1, BLOCK_M == BLOCK_N == BLOCK_SIZE; the dK/dV kernel ran
-    first and stored dS^T tiles in ds, see _bsattn_bwd_dkdv_kernel): dQ sums
-    dS @ K over the stored tiles and recomputes only the tiles past ds_cap;
-    delta is read."""
+    delta [Tq, Hq] fp32 = rowsum(dO * O) of the tile's rows as well."""
     pid = tl.program_id(0)
     i_h = pid % num_heads
     flat = tl.num_programs(0) // num_heads - 1 - pid // num_heads   # heaviest tiles first
@@ -216,98 +164,13 @@ def _bsattn_bwd_dq_kernel(
     past = _pick(sel, past_b)
     tile = _pick(sel, first_b + flat - end_b + tiles_b)
 
+    # ---- query tile: q, dO, LSE (base 2); delta from O and dO, stored for dK/dV
     o_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = (o_m >= past) & (o_m < k_len)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < head_size
     q_rows = (q_lo + o_m - past).to(tl.int64)
     m_md = m_m[:, None] & m_d[None, :]
-    if FROM_DS:
-        b_dq = _dq_from_ds(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, crow_ptr, col_ptr, ds_ptr,
-                           ds_cap, sel, k_len_b, q_len_b, k_lo, k_len, tile, i_h, o_m, m_m, o_d, m_d,
-                           q_rows, m_md, num_heads, num_rows, num_queries_per_kv, stride_qt, stride_qh,
-                           stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                           stride_crow_h, stride_col_h, BLOCK_SIZE, BLOCK_M, BLOCK_N, BLOCK_D,
-                           NNZ_P2, CNT_CHUNK, EVEN_D, IS_FP32, QK_SCALE)
-    else:
-        b_dq = _dq_recompute(q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, crow_ptr, col_ptr,
-                             delta_ptr, k_lo, k_len, tile, i_h, o_m, m_m, o_d, m_d, q_rows, m_md,
-                             num_heads, num_rows, num_queries_per_kv, stride_qt, stride_qh,
-                             stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                             stride_dot, stride_doh, stride_crow_h, stride_col_h, BLOCK_SIZE,
-                             BLOCK_M, BLOCK_N, BLOCK_D, GROUP, NNZ_P2, CNT_CHUNK, EVEN_D, IS_FP32,
-                             QK_SCALE)
-    b_dq = b_dq * SM_SCALE
-    p_dq = dq_ptr + q_rows[:, None] * (num_heads * head_size) + i_h * head_size + o_d[None, :]
-    tl.store(p_dq, b_dq.to(dq_ptr.dtype.element_ty), mask=m_md)
-
-
-@triton.jit
-def _dq_from_ds(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, crow_ptr, col_ptr, ds_ptr, ds_cap,
-                sel, k_len_b, q_len_b, k_lo, k_len, tile, i_h, o_m, m_m, o_d, m_d, q_rows, m_md,
-                num_heads: tl.constexpr, num_rows: tl.constexpr, num_queries_per_kv: tl.constexpr,
-                stride_qt: tl.constexpr, stride_qh: tl.constexpr, stride_kt: tl.constexpr,
-                stride_kh: tl.constexpr, stride_vt: tl.constexpr, stride_vh: tl.constexpr,
-                stride_dot: tl.constexpr, stride_doh: tl.constexpr, stride_crow_h: tl.constexpr,
-                stride_col_h: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NNZ_P2: tl.constexpr,
-                CNT_CHUNK: tl.constexpr, EVEN_D: tl.constexpr, IS_FP32: tl.constexpr,
-                QK_SCALE: tl.constexpr):
-    """The unscaled dQ tile of one query tile from the stored dS tiles (the
-    row's first n_ws key blocks), the rest recomputed (_dq_step)."""
-    i_kvh = (i_h // num_queries_per_kv).to(tl.int64)
-    k_base = k_ptr + k_lo.to(tl.int64) * stride_kt + i_kvh * stride_kh
-    p_crow = crow_ptr + i_h * stride_crow_h
-    p_col = col_ptr + i_h * stride_col_h
-    qb = tile                                    # BLOCK_M == BLOCK_SIZE
-    start = tl.load(p_crow + qb)
-    end = tl.load(p_crow + qb + 1)
-    n_le = _count_below(p_col, start, end, qb + 1, CNT_CHUNK)   # key blocks kb <= qb (a prefix)
-    local = _ds_base(p_crow, sel, k_len_b, q_len_b, num_rows, BLOCK_SIZE) + start
-    n_ws = tl.minimum(tl.maximum(ds_cap - local, 0), n_le)
-    p_ds = ds_ptr + (i_h.to(tl.int64) * ds_cap + local) * (BLOCK_M * BLOCK_N)
-    o_n = tl.arange(0, BLOCK_N)
-    ds_offs = o_n[None, :] * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]         # dS [BLOCK_M, BLOCK_N]
-    k_offs = o_n[:, None] * stride_kt + o_d[None, :]                          # K [BLOCK_N, BLOCK_D]
-    o_c = tl.arange(0, NNZ_P2)
-    cols = tl.load(p_col + start + o_c, mask=o_c < n_le, other=0)
-    b_dq = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
-    for e in tl.range(0, n_ws):
-        kstart = (_sum(tl.where(o_c == e, cols, 0), 0) * BLOCK_SIZE).to(tl.int64)
-        # keys past k_len (the sequence's last block) have dS = 0 but may hold anything
-        b_k = tl.load(k_base + kstart * stride_kt + k_offs,
-                      mask=((kstart + o_n) < k_len)[:, None] & m_d[None, :], other=0.0)
-        b_ds = tl.load(p_ds + e * (BLOCK_M * BLOCK_N) + ds_offs)
-        b_dq += _dot(b_ds, b_k, IS_FP32)
-    if n_ws < n_le:  # tiles past the workspace's capacity: recomputed
-        b_q, b_do, b_lse2, b_delta = _load_query_tile(q_ptr, do_ptr, lse_ptr, delta_ptr, q_rows, i_h,
-                                                      o_d, m_m, m_md, num_heads, stride_qt, stride_qh,
-                                                      stride_dot, stride_doh)
-        v_base = v_ptr + k_lo.to(tl.int64) * stride_vt + i_kvh * stride_vh
-        kt_offs = o_n[None, :] * stride_kt + o_d[:, None]                     # [BLOCK_D, BLOCK_N]: K^T
-        vt_offs = o_n[None, :] * stride_vt + o_d[:, None]
-        for j in range(start + n_ws, start + n_le):
-            kstart = (tl.load(p_col + j) * BLOCK_SIZE).to(tl.int64)
-            b_dq = _dq_step(b_dq, b_q, b_do, b_lse2, b_delta, k_base + kstart * stride_kt + kt_offs,
-                            v_base + kstart * stride_vt + vt_offs, kstart + o_n, o_m, k_len,
-                            m_m, m_d[:, None], True, False, EVEN_D, IS_FP32, QK_SCALE)
-    return b_dq
-
-
-@triton.jit
-def _dq_recompute(q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, crow_ptr, col_ptr, delta_ptr, k_lo,
-                  k_len, tile, i_h, o_m, m_m, o_d, m_d, q_rows, m_md, num_heads: tl.constexpr,
-                  num_rows: tl.constexpr, num_queries_per_kv: tl.constexpr, stride_qt: tl.constexpr,
-                  stride_qh: tl.constexpr, stride_kt: tl.constexpr, stride_kh: tl.constexpr,
-                  stride_vt: tl.constexpr, stride_vh: tl.constexpr, stride_ot: tl.constexpr,
-                  stride_oh: tl.constexpr, stride_dot: tl.constexpr, stride_doh: tl.constexpr,
-                  stride_crow_h: tl.constexpr, stride_col_h: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  GROUP: tl.constexpr, NNZ_P2: tl.constexpr, CNT_CHUNK: tl.constexpr,
-                  EVEN_D: tl.constexpr, IS_FP32: tl.constexpr, QK_SCALE: tl.constexpr):
-    """The unscaled dQ tile of one query tile, every dS tile recomputed; delta
-    of its rows stored for the dK/dV kernel."""
-    # ---- query tile: q, dO, LSE (base 2); delta from O and dO, stored for dK/dV
     b_q = tl.load(q_ptr + q_rows[:, None] * stride_qt + i_h * stride_qh + o_d[None, :], mask=m_md,
                   other=0.0)                                                  # [BLOCK_M, BLOCK_D]
     b_do = tl.load(do_ptr + q_rows[:, None] * stride_dot + i_h * stride_doh + o_d[None, :],
@@ -366,7 +229,10 @@ def _dq_recompute(q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, crow_ptr, col_p
                                 k_base + kstart * stride_kt + k_offs,
                                 v_base + kstart * stride_vt + v_offs, kstart + o_n, o_m, k_len,
                                 (o_m * 0 + drop) == 0, m_dk, True, True, EVEN_D, IS_FP32, QK_SCALE)
-    return b_dq
+
+    b_dq = b_dq * SM_SCALE
+    p_dq = dq_ptr + q_rows[:, None] * (num_heads * head_size) + i_h * head_size + o_d[None, :]
+    tl.store(p_dq, b_dq.to(dq_ptr.dtype.element_ty), mask=m_md)
 
 
 @triton.jit
@@ -374,13 +240,11 @@ def _dkdv_step(b_dk, b_dv, b_k, b_v, q_ptr, do_ptr, lse_ptr, delta_ptr, i_h, q_l
                o_m, o_n, o_d, m_d, num_heads: tl.constexpr, stride_qt: tl.constexpr,
                stride_qh: tl.constexpr, stride_dot: tl.constexpr, stride_doh: tl.constexpr,
                MASKED: tl.constexpr, EVEN_D: tl.constexpr, IS_FP32: tl.constexpr,
-               QK_SCALE: tl.constexpr, p_ds=None, ds_ok=False, STORE_DS: tl.constexpr = False):
+               QK_SCALE: tl.constexpr):
     """One step of dK / dV over the query rows at absolute positions o_m
     [BLOCK_M] of head i_h; transposed scores [BLOCK_N, BLOCK_M]: keys are the
     rows. MASKED applies the causal mask and the sequence's query bounds;
-    without it every row must lie in the sequence and after every key.
-    STORE_DS: where ds_ok, dS^T [BLOCK_N, BLOCK_M] (as the dK product rounds
-    it) is stored row-major at p_ds for the dQ kernel."""
+    without it every row must lie in the sequence and after every key."""
     q_rows = (q_lo + o_m - past).to(tl.int64)
     if MASKED:
         m_m = (o_m >= past) & (o_m < k_len)
@@ -407,12 +271,6 @@ def _dkdv_step(b_dk, b_dv, b_k, b_v, q_ptr, do_ptr, lse_ptr, delta_ptr, i_h, q_l
     b_dv += _dot(b_pt, b_do, IS_FP32)                                         # [BLOCK_N, BLOCK_D]
     b_dpt = _dot(b_v, tl.trans(b_do), IS_FP32)                                # [BLOCK_N, BLOCK_M]
     b_dst = b_pt * (b_dpt - b_delta[None, :])
-    if STORE_DS:
-        if ds_ok:
-            BM: tl.constexpr = o_m.shape[0]
-            BN: tl.constexpr = o_n.shape[0]
-            tl.store(p_ds + tl.arange(0, BN)[:, None] * BM + tl.arange(0, BM)[None, :],
-                     b_dst.to(p_ds.dtype.element_ty))
     b_dk += _dot(b_dst, b_q, IS_FP32)                                         # [BLOCK_N, BLOCK_D]
     return b_dk, b_dv
 
@@ -420,32 +278,24 @@ def _dkdv_step(b_dk, b_dv, b_k, b_v, q_ptr, do_ptr, lse_ptr, delta_ptr, i_h, q_l
 @jit
 def _bsattn_bwd_dkdv_kernel(
     # input pointers
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_k_ptr, cu_q_ptr, colmask_ptr, crow_ptr,
-    pos_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_k_ptr, cu_q_ptr, colmask_ptr,
     # runtime scalars
-    num_seqs, ds_cap,
-    # output pointers (ds: written with STORE_DS only)
-    ds_ptr, dk_ptr, dv_ptr,
+    num_seqs,
+    # output pointers
+    dk_ptr, dv_ptr,
     # constexprs
     num_heads: tl.constexpr, num_kv_heads: tl.constexpr, num_rows: tl.constexpr,
     head_size: tl.constexpr, num_queries_per_kv: tl.constexpr,
     stride_qt: tl.constexpr, stride_qh: tl.constexpr, stride_kt: tl.constexpr,
     stride_kh: tl.constexpr, stride_vt: tl.constexpr, stride_vh: tl.constexpr,
     stride_dot: tl.constexpr, stride_doh: tl.constexpr, stride_mask_h: tl.constexpr,
-    stride_crow_h: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, B_P2: tl.constexpr, WORDS: tl.constexpr, DECODE_Q: tl.constexpr,
-    EVEN_D: tl.constexpr, STORE_DS: tl.constexpr,
+    EVEN_D: tl.constexpr,
     IS_FP32: tl.constexpr, QK_SCALE: tl.constexpr, SM_SCALE: tl.constexpr,
 ):
     """dK, dV [Tk, Hkv, D] (k's dtype): program (key tile, KV head) sums over the
-    query heads of its group and the query rows of the transposed layout.
-
-    STORE_DS (BLOCK_M == BLOCK_N == BLOCK_SIZE): each step's dS^T tile is also
-    stored in the workspace ds [Hq, ds_cap, BLOCK_N, BLOCK_M] (q's dtype) at its
-    slot (_ds_base; pos from the column-mask kernel), unless the slot lies past
-    ds_cap; the dQ kernel then multiplies the stored tiles by K instead of
-    recomputing them (and recomputes only the tiles past ds_cap)."""
+    query heads of its group and the query rows of the transposed layout."""
     pid = tl.program_id(0)
     i_kvh = pid % num_kv_heads
     flat = pid // num_kv_heads    # a sequence's first key tiles (the most rows) first
@@ -489,16 +339,6 @@ def _bsattn_bwd_dkdv_kernel(
         for hh in range(num_queries_per_kv):
             i_h = i_kvh * num_queries_per_kv + hh
             p_mask = colmask_ptr + (i_h * stride_mask_h + kb) * WORDS
-            if STORE_DS:
-                p_crow = crow_ptr + i_h * stride_crow_h
-                p_pos = pos_ptr + (i_h * stride_mask_h + kb) * num_rows
-                ds_base = _ds_base(p_crow, sel, k_len_b, q_len_b, num_rows, BLOCK_SIZE)
-                p_ds_h = ds_ptr + i_h.to(tl.int64) * ds_cap * (BLOCK_M * BLOCK_N)
-            else:
-                p_crow = crow_ptr
-                p_pos = pos_ptr
-                ds_base = 0
-                p_ds_h = ds_ptr
             if SUBM == 1:
                 # the edge rows r_lo (the diagonal, or the sequence's first query row)
                 # and r_hi (its last) with the masks; the rows between need none.
@@ -507,18 +347,10 @@ def _bsattn_bwd_dkdv_kernel(
                 for e in range(0, 1 + (r_hi > r_lo).to(tl.int32)):
                     r = r_lo + e * (r_hi - r_lo)
                     if ((tl.load(p_mask + r // 32) >> (r % 32)) & 1) == 1:
-                        if STORE_DS:
-                            slot = ds_base + tl.load(p_crow + r) + tl.load(p_pos + r)
-                            p_ds = p_ds_h + slot.to(tl.int64) * (BLOCK_M * BLOCK_N)
-                            ds_ok = slot < ds_cap
-                        else:
-                            p_ds = None
-                            ds_ok = False
                         b_dk, b_dv = _dkdv_step(
                             b_dk, b_dv, b_k, b_v, q_ptr, do_ptr, lse_ptr, delta_ptr, i_h, q_lo, past,
                             k_len, r * BLOCK_SIZE + o_mm, o_n, o_d, m_d, num_heads, stride_qt, stride_qh,
-                            stride_dot, stride_doh, True, EVEN_D, IS_FP32, QK_SCALE,
-                            p_ds, ds_ok, STORE_DS)
+                            stride_dot, stride_doh, True, EVEN_D, IS_FP32, QK_SCALE)
                 first = r_lo + 1
                 last = r_hi - 1
             else:
@@ -550,18 +382,10 @@ def _bsattn_bwd_dkdv_kernel(
                 for i in tl.range(0, n_set):
                     qb = w * 32 + _sum(tl.where(is_set & (rank == i), o_x, 0), 0)
                     if SUBM == 1:  # an interior row: wholly in the sequence, after the keys
-                        if STORE_DS:
-                            slot = ds_base + tl.load(p_crow + qb) + tl.load(p_pos + qb)
-                            p_ds = p_ds_h + slot.to(tl.int64) * (BLOCK_M * BLOCK_N)
-                            ds_ok = slot < ds_cap
-                        else:
-                            p_ds = None
-                            ds_ok = False
                         b_dk, b_dv = _dkdv_step(
                             b_dk, b_dv, b_k, b_v, q_ptr, do_ptr, lse_ptr, delta_ptr, i_h, q_lo,
                             past, k_len, qb * BLOCK_SIZE + o_mm, o_n, o_d, m_d, num_heads, stride_qt,
-                            stride_qh, stride_dot, stride_doh, False, EVEN_D, IS_FP32, QK_SCALE,
-                            p_ds, ds_ok, STORE_DS)
+                            stride_qh, stride_dot, stride_doh, False, EVEN_D, IS_FP32, QK_SCALE)
                     else:
                         for j in tl.static_range(SUBM):
                             qstart = qb * BLOCK_SIZE + j * BLOCK_M

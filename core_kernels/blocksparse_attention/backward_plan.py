@@ -4,10 +4,8 @@
   plus each query row's LSE (_bsattn_fwd_lse_kernel; the prefill kernel for any
   batch, decode-only batches included).
 - :func:`plan_blocksparse_attention_backward`: dq, dk, dv from the forward's
-  inputs, output and LSE, in deterministic launches (backward_kernels.py):
-  transposed layout, dQ (and delta = rowsum(dO * O)), dK + dV; or, with a dS
-  workspace (BlocksparseBackwardConfig.ds_workspace_bytes), transposed layout,
-  delta, dK + dV (storing dS), dQ from dS.
+  inputs, output and LSE, in three deterministic launches (backward_kernels.py):
+  transposed layout, dQ (and delta = rowsum(dO * O)), dK + dV.
 """
 from __future__ import annotations
 
@@ -15,8 +13,8 @@ from .._plan import (ArrayInfo, Buffer, Launch, Plan, Scalar, cdiv, check_config
                      check_inner_contiguous, check_ndim, check_shape, config_class, memoize,
                      next_pow2)
 from .._target import Target
-from .backward_kernels import (ROWS_PER_WORD, _bsattn_bwd_colmask_kernel, _bsattn_bwd_delta_kernel,
-                               _bsattn_bwd_dkdv_kernel, _bsattn_bwd_dq_kernel)
+from .backward_kernels import (ROWS_PER_WORD, _bsattn_bwd_colmask_kernel, _bsattn_bwd_dkdv_kernel,
+                               _bsattn_bwd_dq_kernel)
 from .kernels import LOG2E
 from .plan import (BlocksparsePrefillConfig, _check_fields, _prefill_config, _prefill_launch,
                    _Problem, _query_tiles, _validate)
@@ -29,22 +27,12 @@ NO_DECODE_CONFIG = ("config: a call that needs a gradient runs the prefill kerne
 class BlocksparseBackwardConfig:
     """The backward's tiles: query tiles of ``block_m`` rows and key tiles of
     ``block_n`` keys (powers of two >= 16 dividing block_size), for both the dQ
-    kernel and the dK/dV kernel, with their warps and pipeline stages.
-
-    ``ds_workspace_bytes``: the most device memory the backward may take for
-    its dS workspace (0: none). With block_m == block_n == block_size and
-    q_block_size == block_size, the dK/dV kernel runs first and stores each
-    score-gradient tile dS (block_size^2 elements of q's dtype per layout block
-    and query head) for the dQ kernel, which then makes one product per block
-    instead of three; tiles past the budget are recomputed by the dQ kernel.
-    The default, 2 GiB, holds every tile of a 16k-token Phi-3-small sequence
-    (32 heads, 64-token blocks: 1.88 GiB)."""
+    kernel and the dK/dV kernel, with their warps and pipeline stages."""
     block_m: int = 64
     block_n: int = 64
     dq_warps: int = 4
     dkdv_warps: int = 4
     num_stages: int = 2
-    ds_workspace_bytes: int = 1 << 31
 
 
 @memoize
@@ -120,36 +108,9 @@ def plan_blocksparse_attention_backward(
     words = cdiv(p.nb, ROWS_PER_WORD.value)
     buffers["colmask"] = Buffer((layout_heads, p.nb, words), "int32", zero_init=True)
     buffers["delta"] = Buffer((p.tq, p.hq), "float32")
-    ds_cap = _ds_capacity(p, config, layout_heads)
-    if ds_cap:
-        # the dS workspace: dK/dV first (storing dS), then dQ from it
-        buffers["pos"] = Buffer((layout_heads, p.nb, p.nb), "int32")
-        buffers["ds"] = Buffer((p.hq, ds_cap, p.block_size, p.block_size), p.dtype)
-        launches = (_colmask_launch(p, layout_heads, words, True), _delta_launch(p, output, grad_output),
-                    _dkdv_launch(p, config, grad_output, tk, words, layout_heads, ds_cap),
-                    _dq_launch(p, config, output, grad_output, ds_cap))
-    else:
-        buffers["pos"] = buffers["ds"] = Buffer((1,), "int32", placeholder=True)
-        launches = (_colmask_launch(p, layout_heads, words, False),
-                    _dq_launch(p, config, output, grad_output, 0),
-                    _dkdv_launch(p, config, grad_output, tk, words, layout_heads, 0))
+    launches = (_colmask_launch(p, layout_heads, words), _dq_launch(p, config, output, grad_output),
+                _dkdv_launch(p, config, grad_output, tk, words, layout_heads))
     return Plan(buffers, launches, results)
-
-
-def _ds_capacity(p: _Problem, config: BlocksparseBackwardConfig, layout_heads: int) -> int:
-    """dS tiles per query head the workspace holds (0: the recomputing form).
-
-    A sequence's tiles are the column-list entries of its query rows, at most
-    ``nnz`` (col's length); the budget bounds the rest. The position table
-    (layout heads x rows x rows int32) must stay small beside it."""
-    bs = p.block_size
-    if not (p.group == 1 and config.block_m == bs and config.block_n == bs):
-        return 0
-    slot_bytes = bs * bs * (4 if p.dtype == "float32" else 2)
-    cap = min(p.b * p.nnz, config.ds_workspace_bytes // (p.hq * slot_bytes))
-    if cap < 1 or layout_heads * p.nb * p.nb * 4 * 8 > config.ds_workspace_bytes:
-        return 0
-    return cap
 
 
 def _check_backward_fields(config: BlocksparseBackwardConfig, p: _Problem) -> None:
@@ -162,8 +123,6 @@ def _check_backward_fields(config: BlocksparseBackwardConfig, p: _Problem) -> No
             raise ValueError(f"config: warps must be a power of two <= 16, got {config}")
     if config.num_stages < 1:
         raise ValueError(f"config: num_stages must be >= 1, got {config.num_stages}")
-    if not isinstance(config.ds_workspace_bytes, int) or config.ds_workspace_bytes < 0:
-        raise ValueError(f"config: ds_workspace_bytes must be an int >= 0, got {config.ds_workspace_bytes!r}")
 
 
 def _backward_config(target: Target, p: _Problem) -> BlocksparseBackwardConfig:
@@ -196,66 +155,49 @@ def _cu_q(p: _Problem) -> str:
     return "cu_seqlens_q" if p.has_cu_q else "cu_seqlens_k"   # decode-only: never read
 
 
-def _colmask_launch(p: _Problem, layout_heads: int, words: int, store_pos: bool) -> Launch:
+def _colmask_launch(p: _Problem, layout_heads: int, words: int) -> Launch:
     return Launch(
         kernel=_bsattn_bwd_colmask_kernel, grid=(layout_heads * p.nb,),
-        params=dict(crow_ptr="crow", col_ptr="col", colmask_ptr="colmask", pos_ptr="pos"),
-        writes=("pos_ptr", "colmask_ptr") if store_pos else ("colmask_ptr",),
+        params=dict(crow_ptr="crow", col_ptr="col", colmask_ptr="colmask"), writes=("colmask_ptr",),
         constexprs=dict(num_rows=p.nb, stride_crow_h=p.layout["stride_crow_h"],
                         stride_col_h=p.layout["stride_col_h"], GROUP=p.group, WORDS=words,
-                        CNT_CHUNK=min(64, max(2, next_pow2(min(p.nnz, p.nb)))), STORE_POS=store_pos),
+                        CNT_CHUNK=min(64, max(2, next_pow2(min(p.nnz, p.nb))))),
         num_warps=1, num_stages=1)
 
 
-DELTA_ROWS = 64   # (token, head) rows per program of the delta kernel
-
-
-def _delta_launch(p: _Problem, output: ArrayInfo, grad_output: ArrayInfo) -> Launch:
-    return Launch(
-        kernel=_bsattn_bwd_delta_kernel, grid=(cdiv(p.tq * p.hq, DELTA_ROWS),),
-        params=dict(out_ptr="output", do_ptr="grad_output", num_tokens=Scalar(p.tq), delta_ptr="delta"),
-        writes=("delta_ptr",),
-        constexprs=dict(num_heads=p.hq, head_size=p.d, stride_ot=output.strides[0],
-                        stride_oh=output.strides[1], stride_dot=grad_output.strides[0],
-                        stride_doh=grad_output.strides[1], ROWS=DELTA_ROWS, BLOCK_D=p.d_pad),
-        num_warps=4, num_stages=1)
-
-
 def _dq_launch(p: _Problem, config: BlocksparseBackwardConfig, output: ArrayInfo,
-               grad_output: ArrayInfo, ds_cap: int) -> Launch:
+               grad_output: ArrayInfo) -> Launch:
     c = _common(p)
     c.update(num_rows=p.nb, stride_ot=output.strides[0], stride_oh=output.strides[1],
              stride_dot=grad_output.strides[0], stride_doh=grad_output.strides[1],
              BLOCK_M=config.block_m, BLOCK_N=config.block_n, GROUP=p.group,
-             NNZ_P2=max(2, next_pow2(min(p.nnz, p.nb))), CNT_CHUNK=64, FROM_DS=ds_cap > 0,
+             NNZ_P2=max(2, next_pow2(min(p.nnz, p.nb))), CNT_CHUNK=64,
              **{n: p.layout[n] for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh",
                                          "stride_vt", "stride_vh", "stride_crow_h", "stride_col_h")})
     return Launch(
         kernel=_bsattn_bwd_dq_kernel, grid=(_query_tiles(p, config.block_m) * p.hq,),
         params=dict(q_ptr="q", k_ptr="k", v_ptr="v", out_ptr="output", do_ptr="grad_output",
                     lse_ptr="lse", cu_k_ptr="cu_seqlens_k", cu_q_ptr=_cu_q(p), crow_ptr="crow",
-                    col_ptr="col", ds_ptr="ds", num_seqs=Scalar(p.b), ds_cap=Scalar(ds_cap),
-                    dq_ptr="grad_q", delta_ptr="delta"),
-        writes=("dq_ptr",) if ds_cap else ("delta_ptr", "dq_ptr"), constexprs=c,
-        num_warps=config.dq_warps, num_stages=config.num_stages)
+                    col_ptr="col", num_seqs=Scalar(p.b), dq_ptr="grad_q", delta_ptr="delta"),
+        writes=("dq_ptr", "delta_ptr"), constexprs=c, num_warps=config.dq_warps,
+        num_stages=config.num_stages)
 
 
 def _dkdv_launch(p: _Problem, config: BlocksparseBackwardConfig, grad_output: ArrayInfo, tk: int,
-                 words: int, layout_heads: int, ds_cap: int) -> Launch:
+                 words: int, layout_heads: int) -> Launch:
     bn = config.block_n
     # key tiles of one sequence: ceil(k_len / BN) <= k_len / BN + 1 and <= ceil(max_seqlen / BN)
     n_flat = min(cdiv(tk, bn) + p.b, p.b * cdiv(p.max_seqlen, bn))
     c = _common(p)
     c.update(num_kv_heads=p.hkv, num_rows=p.nb, stride_dot=grad_output.strides[0],
              stride_doh=grad_output.strides[1], stride_mask_h=p.nb if layout_heads > 1 else 0,
-             BLOCK_M=config.block_m, BLOCK_N=bn, WORDS=words, STORE_DS=ds_cap > 0,
+             BLOCK_M=config.block_m, BLOCK_N=bn, WORDS=words,
              **{n: p.layout[n] for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh",
-                                         "stride_vt", "stride_vh", "stride_crow_h")})
+                                         "stride_vt", "stride_vh")})
     return Launch(
         kernel=_bsattn_bwd_dkdv_kernel, grid=(n_flat * p.hkv,),
         params=dict(q_ptr="q", k_ptr="k", v_ptr="v", do_ptr="grad_output", lse_ptr="lse",
                     delta_ptr="delta", cu_k_ptr="cu_seqlens_k", cu_q_ptr=_cu_q(p),
-                    colmask_ptr="colmask", crow_ptr="crow", pos_ptr="pos", num_seqs=Scalar(p.b),
-                    ds_cap=Scalar(ds_cap), dk_ptr="grad_k", dv_ptr="grad_v", ds_ptr="ds"),
-        writes=("ds_ptr", "dk_ptr", "dv_ptr") if ds_cap else ("dk_ptr", "dv_ptr"), constexprs=c,
-        num_warps=config.dkdv_warps, num_stages=config.num_stages)
+                    colmask_ptr="colmask", num_seqs=Scalar(p.b), dk_ptr="grad_k", dv_ptr="grad_v"),
+        writes=("dk_ptr", "dv_ptr"), constexprs=c, num_warps=config.dkdv_warps,
+        num_stages=config.num_stages)

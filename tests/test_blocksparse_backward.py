@@ -230,3 +230,22 @@ def test_gpu_larger_shapes(dtype):
     j = TestJax().grads(c, 0.1, jit=True)
     for a, b in zip(TestTorch().grads(c, 0.1), j):
         assert_bitwise_equal(a, b, "torch vs jax")
+
+
+@pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on sm_90 GPUs only")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dkdv_gluon", [False, True])
+def test_gpu_dkdv_kernel_forms(dtype, dkdv_gluon):
+    """Each dK/dV kernel (the Triton one; the Gluon one, which applies here on
+    sm_90) against the reference: sequences starting mid-block
+    (past % 64 != 0), partial last key tiles, GQA, per-head layout."""
+    import adapters.jax as aj
+    from core_kernels.blocksparse_attention import BlocksparseBackwardConfig
+    c = make_case([(300, 700), (512, 512), (64, 1000)], 8, 2, 128, dtype, nb=16, local=4, stride=4, bs=64)
+    args = [to_jax(c[n]) for n in ("q", "k", "v")]
+    idx = (to_jax(c["cu_k"]), to_jax(c["cu_q"]), 0.1, (to_jax(c["crow"]), to_jax(c["col"])))
+    opts = dict(block_size=c["bs"], max_seqlen=c["max_seqlen"])
+    out, lse = aj.blocksparse_flash_attn_varlen_fwd_lse(*args, *idx, **opts)
+    config = BlocksparseBackwardConfig(64, 64, 4, 4, 2, dkdv_gluon)
+    got = aj.blocksparse_flash_attn_varlen_backward(*args, out, lse, to_jax(c["go"]), *idx, **opts, config=config)
+    check_grads([np.asarray(x) for x in got], reference(c, 0.1), dtype)

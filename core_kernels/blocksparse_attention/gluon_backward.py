@@ -1,0 +1,291 @@
+"""The block-sparse backward's dK/dV kernel in Gluon (sm_90, 16-bit inputs, D = 128, 64-token blocks).
+
+The Triton dK/dV kernel (backward_kernels.py) waits for every wgmma right
+after issuing it. This kernel issues a step's four products asynchronously and
+overlaps the elementwise work with them:
+
+    S^T  = K Q^T  and  dP^T = V dO^T        issued together
+    P^T  = exp2(S^T * scale - lse)           while dP^T runs
+    dV  += P^T dO                            issued
+    dS^T = P^T (dP^T - delta)                while dV runs
+    dK  += dS^T Q                            issued; waited at the next step's start,
+                                             after that step's loads are issued
+
+and loads the next step's Q, dO, LSE and delta (cp.async, a two-slot ring)
+while the current step computes. Only the diagonal step takes a mask (causal):
+queries outside the sequence get zero-filled Q, dO, LSE and delta, which add
+nothing (_causal). Same launch, arguments and schedule as the Triton kernel
+(one program per (key tile, KV head); the query heads of the group in order,
+each one's rows of the transposed layout ascending) and the same products
+(16-bit operands, fp32 accumulation; exp2 flushes results below fp32's normal
+range to 0). Scope (the planner checks it): GPU sm_90, bf16 or fp16, head size
+128, block_size = block_m = block_n = 64, q_block_size = block_size, 4 warps.
+
+NOTE: measured on the H200 (Phi-3-small 1x16384 bf16, bench_blocksparse_backward.py,
+2026-11-25): this kernel alone 2.84 ms against the Triton kernel's 3.04 (forward +
+backward 5.90 ms, SDPA 14.25 ms: 2.41x). Measured and not kept (same day): the
+first form, LSE and delta read with plain loads at each step and a causal and bounds
+mask on every step, 3.34 ms; a software-pipelined loop (each step issuing the next
+step's S^T and dP^T behind its own dV and dK) 5.10 ms for the backward launches
+against 5.00 for this form: ptxas serializes its wgmmas (C7514, accumulators in
+flight while the registers run out: 255 per thread with 220 bytes of spills).
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
+                                                             warpgroup_mma_init, warpgroup_mma_wait)
+
+from .._triton_utils import jit
+
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _pick(sel, x):
+    """x at the one lane where sel is set (a scalar)."""
+    return gl.sum(gl.where(sel, x, 0), 0)
+
+
+@gluon.jit
+def _popc(x):
+    return gl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _exp2_ftz(x):
+    """2^x as one MUFU.EX2 (results below fp32's normal range flush to 0)."""
+    return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.constexpr_function
+def _next_pow2(n):
+    p = 2
+    while p < n:
+        p *= 2
+    return p
+
+
+@gluon.jit
+def _head_rows(p_mask, r_lo, r_hi, WORDS: gl.constexpr, lw: gl.constexpr):
+    """The rows [r_lo, r_hi] set in one head's transposed-layout bits: each
+    word's bits (rows outside the range cleared), the inclusive cumsum of their
+    counts and the total, so that step i's row is found from i alone (_row_of)."""
+    W_P2: gl.constexpr = _next_pow2(WORDS)
+    o_w = gl.arange(0, W_P2, layout=lw)
+    m_w = (o_w >= r_lo // 32) & (o_w <= r_hi // 32)
+    bits = gl.load(p_mask + o_w, mask=m_w, other=0).to(gl.uint32, bitcast=True)
+    lo = r_lo - o_w * 32                        # first row of the range in the word's bit numbering
+    hi = r_hi - o_w * 32
+    full = gl.full([W_P2], 0xFFFFFFFF, gl.uint32, layout=lw)
+    keep_lo = gl.where(lo <= 0, full, full << gl.minimum(gl.maximum(lo, 0), 31).to(gl.uint32))
+    keep_hi = gl.where(hi >= 31, full, full >> (31 - gl.minimum(gl.maximum(hi, 0), 31)).to(gl.uint32))
+    bits = gl.where(m_w & (hi >= 0), bits & keep_lo & keep_hi, 0).to(gl.int32, bitcast=True)
+    counts = _popc(bits)
+    cum = gl.associative_scan(counts, 0, _add)
+    return o_w, bits, counts, cum, gl.sum(counts, 0)
+
+
+@gluon.jit
+def _row_of(i, o_w, bits, counts, cum, lb: gl.constexpr):
+    """Row of step i: word wi holds it, as the j-th set bit of that word."""
+    wi = gl.sum((cum <= i).to(gl.int32), 0)
+    sel = o_w == wi
+    j = i - _pick(sel, cum - counts)
+    word = _pick(sel, bits)
+    o_x = gl.arange(0, 32, layout=lb)
+    is_set = ((word >> o_x) & 1) == 1
+    rank = gl.associative_scan(is_set.to(gl.int32), 0, _add) - 1
+    return wi * 32 + gl.sum(gl.where(is_set & (rank == j), o_x, 0), 0)
+
+
+@gluon.jit
+def _load_step(q_dst, do_dst, lse_dst, delta_dst, q_ptr, do_ptr, lse_ptr, delta_ptr, row, q_lo, past, k_len,
+               i_h, r_ld, c_ld, o_v, num_heads: gl.constexpr, BLOCK_M: gl.constexpr,
+               stride_qt: gl.constexpr, stride_qh: gl.constexpr, stride_dot: gl.constexpr,
+               stride_doh: gl.constexpr):
+    """Start the cp.async copies of query row ``row``'s Q and dO tiles and its
+    LSE and delta (queries outside the sequence are zero-filled)."""
+    qpos = row * BLOCK_M + r_ld
+    m = (qpos >= past) & (qpos < k_len)
+    t = (q_lo + qpos - past).to(gl.int64)
+    async_copy.async_copy_global_to_shared(
+        q_dst, q_ptr + t[:, None] * stride_qt + i_h * stride_qh + c_ld[None, :], mask=m[:, None])
+    async_copy.async_copy_global_to_shared(
+        do_dst, do_ptr + t[:, None] * stride_dot + i_h * stride_doh + c_ld[None, :], mask=m[:, None])
+    qv = row * BLOCK_M + o_v
+    mv = (qv >= past) & (qv < k_len)
+    tv = (q_lo + qv - past).to(gl.int64) * num_heads + i_h
+    async_copy.async_copy_global_to_shared(lse_dst, lse_ptr + tv, mask=mv)
+    async_copy.async_copy_global_to_shared(delta_dst, delta_ptr + tv, mask=mv)
+
+
+@gluon.jit
+def _causal(b_pt, diagonal, mma_nn: gl.constexpr):
+    """P^T with the causal mask (key <= query) on the diagonal step (query row ==
+    key block: local key index <= local query index). No other mask is needed:
+    a query outside the sequence has zero Q, dO, LSE and delta (zero-filled
+    copies), so its P^T = 1 multiplies zeros in dV and dS^T; a key past the
+    sequence only feeds its own dK / dV rows, which are not stored."""
+    if diagonal:
+        r = gl.arange(0, b_pt.shape[0], layout=gl.SliceLayout(1, mma_nn))
+        c = gl.arange(0, b_pt.shape[1], layout=gl.SliceLayout(0, mma_nn))
+        b_pt = gl.where(r[:, None] <= c[None, :], b_pt, 0.0)
+    return b_pt
+
+
+@gluon.jit
+def _head_steps(b_dk, b_dv, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, q_ptr, do_ptr, lse_ptr,
+                delta_ptr, row, n_steps, o_w, bits, counts, cum, q_lo, past, k_len, i_h, r_ld, c_ld, o_v, kb,
+                zero_nn, num_heads: gl.constexpr, BLOCK_M: gl.constexpr, stride_qt: gl.constexpr,
+                stride_qh: gl.constexpr, stride_dot: gl.constexpr, stride_doh: gl.constexpr,
+                QK_SCALE: gl.constexpr, lb: gl.constexpr, mma_nn: gl.constexpr, a_op: gl.constexpr,
+                dtype: gl.constexpr):
+    """One head's steps (rows from _row_of) into dK and dV (in and out as tensors;
+    in between, asynchronous accumulators)."""
+    b_dk = warpgroup_mma_init(b_dk)
+    b_dv = warpgroup_mma_init(b_dv)
+    if n_steps > 0:
+        _load_step(q_ring.index(0), do_ring.index(0), lse_ring.index(0), delta_ring.index(0), q_ptr, do_ptr,
+                   lse_ptr, delta_ptr, row, q_lo, past, k_len, i_h, r_ld, c_ld, o_v, num_heads, BLOCK_M,
+                   stride_qt, stride_qh, stride_dot, stride_doh)
+        async_copy.commit_group()
+    for i in range(0, n_steps):
+        slot = i % 2
+        b_dk, b_dv = warpgroup_mma_wait(num_outstanding=0, deps=(b_dk, b_dv))   # step i - 1's
+        nxt = _row_of(gl.minimum(i + 1, n_steps - 1), o_w, bits, counts, cum, lb)
+        if i + 1 < n_steps:
+            _load_step(q_ring.index(1 - slot), do_ring.index(1 - slot), lse_ring.index(1 - slot),
+                       delta_ring.index(1 - slot), q_ptr, do_ptr, lse_ptr, delta_ptr, nxt, q_lo, past, k_len,
+                       i_h, r_ld, c_ld, o_v, num_heads, BLOCK_M, stride_qt, stride_qh, stride_dot, stride_doh)
+        async_copy.commit_group()
+        async_copy.wait_group(1)
+        fence_async_shared()
+        gl.thread_barrier()
+        q_s = q_ring.index(slot)
+        do_s = do_ring.index(slot)
+        acc_st = warpgroup_mma(k_smem, q_s.permute((1, 0)), zero_nn, use_acc=False, is_async=True)
+        acc_dpt = warpgroup_mma(v_smem, do_s.permute((1, 0)), zero_nn, use_acc=False, is_async=True)
+        acc_st = warpgroup_mma_wait(num_outstanding=1, deps=(acc_st,))
+        b_lse2 = lse_ring.index(slot).load(gl.SliceLayout(0, mma_nn)) * LOG2E
+        b_pt = _causal(_exp2_ftz(acc_st * QK_SCALE - b_lse2[None, :]), row == kb, mma_nn)
+        b_dv = warpgroup_mma(gl.convert_layout(b_pt.to(dtype), a_op), do_s, b_dv, is_async=True)
+        acc_dpt = warpgroup_mma_wait(num_outstanding=1, deps=(acc_dpt,))
+        b_delta = delta_ring.index(slot).load(gl.SliceLayout(0, mma_nn))
+        b_dst = b_pt * (acc_dpt - b_delta[None, :])
+        b_dk = warpgroup_mma(gl.convert_layout(b_dst.to(dtype), a_op), q_s, b_dk, is_async=True)
+        row = nxt
+    async_copy.wait_group(0)
+    return warpgroup_mma_wait(num_outstanding=0, deps=(b_dk, b_dv))
+
+
+@jit(gluon=True)
+def _bsattn_bwd_dkdv_gluon_kernel(
+    # input pointers
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_k_ptr, cu_q_ptr, colmask_ptr,
+    # runtime scalars
+    num_seqs,
+    # output pointers
+    dk_ptr, dv_ptr,
+    # constexprs
+    num_heads: gl.constexpr, num_kv_heads: gl.constexpr, num_rows: gl.constexpr,
+    head_size: gl.constexpr, num_queries_per_kv: gl.constexpr,
+    stride_qt: gl.constexpr, stride_qh: gl.constexpr, stride_kt: gl.constexpr,
+    stride_kh: gl.constexpr, stride_vt: gl.constexpr, stride_vh: gl.constexpr,
+    stride_dot: gl.constexpr, stride_doh: gl.constexpr, stride_mask_h: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_D: gl.constexpr, B_P2: gl.constexpr, WORDS: gl.constexpr, DECODE_Q: gl.constexpr,
+    EVEN_D: gl.constexpr,
+    IS_FP32: gl.constexpr, QK_SCALE: gl.constexpr, SM_SCALE: gl.constexpr,
+):
+    """dK, dV [Tk, Hkv, D]: _bsattn_bwd_dkdv_kernel's contract (4 warps, one
+    warpgroup; EVEN_D and not IS_FP32, BLOCK_M == BLOCK_N == BLOCK_SIZE)."""
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    lb: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])      # [64, 128] tiles
+    mma_nn: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BLOCK_M, 16])
+    mma_nd: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                     instr_shape=[16, BLOCK_D, 16])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_nd, k_width=2)
+    sh: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], dtype)
+
+    pid = gl.program_id(0)
+    i_kvh = pid % num_kv_heads
+    flat = pid // num_kv_heads    # a sequence's first key tiles (the most rows) first
+
+    # ---- key tile schedule from cu_seqlens (as the Triton kernel)
+    o_b = gl.arange(0, B_P2, layout=lb)
+    m_b = o_b < num_seqs
+    k_lo_b = gl.load(cu_k_ptr + o_b, mask=m_b, other=0)
+    k_len_b = gl.load(cu_k_ptr + o_b + 1, mask=m_b, other=0) - k_lo_b
+    if DECODE_Q:
+        q_lo_b = o_b
+        q_len_b = gl.where(m_b, 1, 0)
+    else:
+        q_lo_b = gl.load(cu_q_ptr + o_b, mask=m_b, other=0)
+        q_len_b = gl.load(cu_q_ptr + o_b + 1, mask=m_b, other=0) - q_lo_b
+    tiles_b = (k_len_b + BLOCK_N - 1) // BLOCK_N
+    end_b = gl.associative_scan(tiles_b, 0, _add)
+    i_b = gl.sum((end_b <= flat).to(gl.int32), 0)
+    if i_b >= num_seqs:
+        return
+    sel = o_b == i_b
+    k_lo = _pick(sel, k_lo_b)
+    k_len = _pick(sel, k_len_b)
+    q_lo = _pick(sel, q_lo_b)
+    q_len = _pick(sel, q_len_b)
+    past = k_len - q_len
+    kstart = _pick(sel, flat - end_b + tiles_b) * BLOCK_N
+
+    # ---- K and V tiles into shared memory
+    r_ld = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+    c_ld = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld))
+    k_rows = (k_lo + kstart + r_ld).to(gl.int64)
+    m_nk = ((kstart + r_ld) < k_len)[:, None]
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], sh, gl.load(
+        k_ptr + k_rows[:, None] * stride_kt + i_kvh * stride_kh + c_ld[None, :], mask=m_nk, other=0.0))
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_D], sh, gl.load(
+        v_ptr + k_rows[:, None] * stride_vt + i_kvh * stride_vh + c_ld[None, :], mask=m_nk, other=0.0))
+    q_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_D], sh)
+    do_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_D], sh)
+    sh_v: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    lse_ring = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], sh_v)
+    delta_ring = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M], sh_v)
+    o_v = gl.arange(0, BLOCK_M, layout=lb)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    b_dk = gl.zeros([BLOCK_N, BLOCK_D], gl.float32, layout=mma_nd)
+    b_dv = gl.zeros([BLOCK_N, BLOCK_D], gl.float32, layout=mma_nd)
+    zero_nn = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma_nn)
+
+    kb = kstart // BLOCK_SIZE
+    r_lo = gl.maximum(kb, past // BLOCK_SIZE)        # query rows that can see this key block
+    r_hi = (k_len - 1) // BLOCK_SIZE                 # inclusive
+    if q_len > 0:
+        for hh in range(num_queries_per_kv):
+            i_h = i_kvh * num_queries_per_kv + hh
+            o_w, bits, counts, cum, n_steps = _head_rows(
+                colmask_ptr + (i_h * stride_mask_h + kb) * WORDS, r_lo, r_hi, WORDS, lb)
+            row = _row_of(0, o_w, bits, counts, cum, lb)
+            b_dk, b_dv = _head_steps(b_dk, b_dv, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, q_ptr,
+                                     do_ptr, lse_ptr, delta_ptr, row, n_steps, o_w, bits, counts, cum, q_lo,
+                                     past, k_len, i_h, r_ld, c_ld, o_v, kb, zero_nn, num_heads, BLOCK_M,
+                                     stride_qt, stride_qh, stride_dot, stride_doh, QK_SCALE, lb, mma_nn, a_op,
+                                     dtype)
+
+    # ---- dK (scaled), dV, straight from the accumulator layout
+    r_o = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_nd))
+    c_o = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, mma_nd))
+    o_rows = (k_lo + kstart + r_o).to(gl.int64)
+    p_out = o_rows[:, None] * (num_kv_heads * head_size) + i_kvh * head_size + c_o[None, :]
+    m_out = ((kstart + r_o) < k_len)[:, None]
+    gl.store(dk_ptr + p_out, (b_dk * SM_SCALE).to(dk_ptr.dtype.element_ty), mask=m_out)
+    gl.store(dv_ptr + p_out, b_dv.to(dv_ptr.dtype.element_ty), mask=m_out)

@@ -124,10 +124,11 @@ def run():
 
 
 # BlocksparseBackwardConfig grid of the sweep: (block_m, block_n, dq_warps, dkdv_warps, stages,
-# dkdv_gluon); the Gluon dK/dV kernel applies to 64 x 64 tiles and 4 dK/dV warps only
-SWEEP_CONFIGS = [(bm, bn, wq, wk, st, gl) for bm, bn in ((64, 64), (32, 64), (64, 32), (32, 32))
+# dkdv_gluon, dq_gluon); the Gluon kernels apply to 64 x 64 tiles and 4 warps only
+SWEEP_CONFIGS = [(bm, bn, wq, wk, st, gk, gq) for bm, bn in ((64, 64), (32, 64), (64, 32), (32, 32))
                  for wq in (4, 8) for wk in (4, 8) for st in (2, 3)
-                 for gl in ((True, False) if (bm, bn, wk) == (64, 64, 4) else (False,))]
+                 for gk in ((True, False) if (bm, bn, wk) == (64, 64, 4) else (False,))
+                 for gq in ((True, False) if (bm, bn, wq) == (64, 64, 4) else (False,))]
 SWEEP = os.environ.get("BLOCKSPARSE_BWD_SWEEP") == "1"   # the config sweep (and each launch alone)
 if os.environ.get("BLOCKSPARSE_BWD_SWEEP_TILES"):  # e.g. "64x64": only those (block_m, block_n) tiles
     _tiles = {tuple(int(x) for x in t.split("x")) for t in os.environ["BLOCKSPARSE_BWD_SWEEP_TILES"].split(",")}
@@ -161,13 +162,13 @@ def sweep(q, k, v, go, cu, crow, col, scale, bs, n):
         given = {**tensors, **{b: full[b] for b in default.buffers if b not in written}}
         t = kernel_time_torch(lambda one=one, given=given: run_plan(one, given))
         print(f"  {launch.kernel.fn.__name__:36s}{t * 1e3:9.3f} ms")
-    print(f"{'config (bm, bn, dq_warps, dkdv_warps, stages, dkdv_gluon)':56s}{'bwd_ms':>9s}")
+    print(f"{'config (bm, bn, dq_warps, dkdv_warps, stages, dkdv_gluon, dq_gluon)':64s}{'bwd_ms':>9s}")
     for cfg in [None] + SWEEP_CONFIGS:
         try:
             plan = default if cfg is None else plan_blocksparse_attention_backward(
                 tgt, *args, **opts, config=BlocksparseBackwardConfig(*cfg))
             t = kernel_time_torch(lambda plan=plan: run_plan(plan, tensors))
-            print(f"{'default' if cfg is None else str(cfg):56s}{t * 1e3:9.3f}", flush=True)
+            print(f"{'default' if cfg is None else str(cfg):64s}{t * 1e3:9.3f}", flush=True)
         except Exception as exc:  # noqa: BLE001  a config that does not compile
             print(f"{str(cfg):56s} error {exc!r:.100}", flush=True)
 

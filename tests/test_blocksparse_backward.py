@@ -234,10 +234,10 @@ def test_gpu_larger_shapes(dtype):
 
 @pytest.mark.skipif(not GPU, reason="the Gluon kernel runs on sm_90 GPUs only")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("dkdv_gluon", [False, True])
-def test_gpu_dkdv_kernel_forms(dtype, dkdv_gluon):
-    """Each dK/dV kernel (the Triton one; the Gluon one, which applies here on
-    sm_90) against the reference: sequences starting mid-block
+@pytest.mark.parametrize("gluon", [False, True])
+def test_gpu_backward_kernel_forms(dtype, gluon):
+    """The Triton dQ and dK/dV kernels, and the Gluon ones (which apply here on
+    sm_90), against the reference: sequences starting mid-block
     (past % 64 != 0), partial last key tiles, GQA, per-head layout."""
     import adapters.jax as aj
     from core_kernels.blocksparse_attention import BlocksparseBackwardConfig
@@ -246,6 +246,6 @@ def test_gpu_dkdv_kernel_forms(dtype, dkdv_gluon):
     idx = (to_jax(c["cu_k"]), to_jax(c["cu_q"]), 0.1, (to_jax(c["crow"]), to_jax(c["col"])))
     opts = dict(block_size=c["bs"], max_seqlen=c["max_seqlen"])
     out, lse = aj.blocksparse_flash_attn_varlen_fwd_lse(*args, *idx, **opts)
-    config = BlocksparseBackwardConfig(64, 64, 4, 4, 2, dkdv_gluon)
+    config = BlocksparseBackwardConfig(64, 64, 4, 4, 2, gluon, gluon)
     got = aj.blocksparse_flash_attn_varlen_backward(*args, out, lse, to_jax(c["go"]), *idx, **opts, config=config)
     check_grads([np.asarray(x) for x in got], reference(c, 0.1), dtype)

@@ -33,9 +33,10 @@ class BlocksparseBackwardConfig:
     dq_warps: int = 4
     dkdv_warps: int = 4
     num_stages: int = 2
-    # the Gluon dK/dV kernel (gluon_backward.py) where it applies (sm_90, 16-bit,
-    # D 128, 64-token blocks and tiles, 4 dK/dV warps); False: the Triton kernel
+    # the Gluon dK/dV and dQ kernels (gluon_backward.py) where they apply (sm_90,
+    # 16-bit, D 128, 64-token blocks and tiles, 4 warps); False: the Triton kernels
     dkdv_gluon: bool = True
+    dq_gluon: bool = True
 
 
 @memoize
@@ -107,21 +108,21 @@ def plan_blocksparse_attention_backward(
     if config is not None:
         _check_backward_fields(config, p)
     config = config or _backward_config(target, p)
-    gluon_dkdv = _gluon_dkdv_applies(target, p, config)
+    gluon_dkdv = config.dkdv_gluon and _gluon_applies(target, p, config) and config.dkdv_warps == 4
+    gluon_dq = config.dq_gluon and _gluon_applies(target, p, config) and config.dq_warps == 4
     layout_heads = crow.shape[0] if crow.ndim == 2 else 1
     words = cdiv(p.nb, ROWS_PER_WORD.value)
     buffers["colmask"] = Buffer((layout_heads, p.nb, words), "int32", zero_init=True)
     buffers["delta"] = Buffer((p.tq, p.hq), "float32")
-    launches = (_colmask_launch(p, layout_heads, words), _dq_launch(p, config, output, grad_output),
+    launches = (_colmask_launch(p, layout_heads, words), _dq_launch(p, config, output, grad_output, gluon_dq),
                 _dkdv_launch(p, config, grad_output, tk, words, layout_heads, gluon_dkdv))
     return Plan(buffers, launches, results)
 
 
-def _gluon_dkdv_applies(target: Target, p: _Problem, config: BlocksparseBackwardConfig) -> bool:
-    """The Gluon dK/dV kernel's scope (gluon_backward.py)."""
-    return (config.dkdv_gluon and target.gluon and target.hopper and p.dtype in ("bfloat16", "float16")
-            and p.d == 128 and p.block_size == 64 and p.group == 1 and config.block_m == 64
-            and config.block_n == 64 and config.dkdv_warps == 4)
+def _gluon_applies(target: Target, p: _Problem, config: BlocksparseBackwardConfig) -> bool:
+    """The Gluon kernels' scope (gluon_backward.py), but for their warps (4)."""
+    return (target.gluon and target.hopper and p.dtype in ("bfloat16", "float16") and p.d == 128
+            and p.block_size == 64 and p.group == 1 and config.block_m == 64 and config.block_n == 64)
 
 
 def _check_backward_fields(config: BlocksparseBackwardConfig, p: _Problem) -> None:
@@ -177,7 +178,7 @@ def _colmask_launch(p: _Problem, layout_heads: int, words: int) -> Launch:
 
 
 def _dq_launch(p: _Problem, config: BlocksparseBackwardConfig, output: ArrayInfo,
-               grad_output: ArrayInfo) -> Launch:
+               grad_output: ArrayInfo, gluon: bool) -> Launch:
     c = _common(p)
     c.update(num_rows=p.nb, stride_ot=output.strides[0], stride_oh=output.strides[1],
              stride_dot=grad_output.strides[0], stride_doh=grad_output.strides[1],
@@ -186,7 +187,7 @@ def _dq_launch(p: _Problem, config: BlocksparseBackwardConfig, output: ArrayInfo
              **{n: p.layout[n] for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh",
                                          "stride_vt", "stride_vh", "stride_crow_h", "stride_col_h")})
     return Launch(
-        kernel=_bsattn_bwd_dq_kernel, grid=(_query_tiles(p, config.block_m) * p.hq,),
+        kernel=_gluon_kernel("_bsattn_bwd_dq_gluon_kernel") if gluon else _bsattn_bwd_dq_kernel, grid=(_query_tiles(p, config.block_m) * p.hq,),
         params=dict(q_ptr="q", k_ptr="k", v_ptr="v", out_ptr="output", do_ptr="grad_output",
                     lse_ptr="lse", cu_k_ptr="cu_seqlens_k", cu_q_ptr=_cu_q(p), crow_ptr="crow",
                     col_ptr="col", num_seqs=Scalar(p.b), dq_ptr="grad_q", delta_ptr="delta"),
@@ -194,9 +195,9 @@ def _dq_launch(p: _Problem, config: BlocksparseBackwardConfig, output: ArrayInfo
         num_stages=config.num_stages)
 
 
-def _gluon_dkdv_kernel():
-    from .gluon_backward import _bsattn_bwd_dkdv_gluon_kernel   # Gluon: imported where it runs
-    return _bsattn_bwd_dkdv_gluon_kernel
+def _gluon_kernel(name: str):
+    from . import gluon_backward   # Gluon: imported where it runs
+    return getattr(gluon_backward, name)
 
 
 def _dkdv_launch(p: _Problem, config: BlocksparseBackwardConfig, grad_output: ArrayInfo, tk: int,
@@ -211,7 +212,7 @@ def _dkdv_launch(p: _Problem, config: BlocksparseBackwardConfig, grad_output: Ar
              **{n: p.layout[n] for n in ("stride_qt", "stride_qh", "stride_kt", "stride_kh",
                                          "stride_vt", "stride_vh")})
     return Launch(
-        kernel=_gluon_dkdv_kernel() if gluon else _bsattn_bwd_dkdv_kernel, grid=(n_flat * p.hkv,),
+        kernel=_gluon_kernel("_bsattn_bwd_dkdv_gluon_kernel") if gluon else _bsattn_bwd_dkdv_kernel, grid=(n_flat * p.hkv,),
         params=dict(q_ptr="q", k_ptr="k", v_ptr="v", do_ptr="grad_output", lse_ptr="lse",
                     delta_ptr="delta", cu_k_ptr="cu_seqlens_k", cu_q_ptr=_cu_q(p),
                     colmask_ptr="colmask", num_seqs=Scalar(p.b), dk_ptr="grad_k", dv_ptr="grad_v"),

@@ -1,4 +1,4 @@
-"""The block-sparse backward's dK/dV kernel in Gluon (sm_90, 16-bit inputs, D = 128, 64-token blocks).
+"""The block-sparse backward's dK/dV and dQ kernels in Gluon (sm_90, 16-bit inputs, D = 128, 64-token blocks).
 
 The Triton dK/dV kernel (backward_kernels.py) waits for every wgmma right
 after issuing it. This kernel issues a step's four products asynchronously and
@@ -22,8 +22,9 @@ range to 0). Scope (the planner checks it): GPU sm_90, bf16 or fp16, head size
 128, block_size = block_m = block_n = 64, q_block_size = block_size, 4 warps.
 
 NOTE: measured on the H200 (Phi-3-small 1x16384 bf16, bench_blocksparse_backward.py,
-2026-11-25): this kernel alone 2.84 ms against the Triton kernel's 3.04 (forward +
-backward 5.90 ms, SDPA 14.25 ms: 2.41x). Measured and not kept (same day): the
+2026-11-25): the dK/dV kernel alone 2.84-2.92 ms against the Triton kernel's 3.04, the
+dQ kernel 1.58 against 1.72; forward + backward 5.83 ms with both (SDPA 14.15 ms:
+2.43x), 5.90 with the Gluon dK/dV kernel only. Measured and not kept (same day): the
 first form, LSE and delta read with plain loads at each step and a causal and bounds
 mask on every step, 3.34 ms; a software-pipelined loop (each step issuing the next
 step's S^T and dP^T behind its own dV and dK) 5.10 ms for the backward launches
@@ -70,6 +71,40 @@ def _next_pow2(n):
     while p < n:
         p *= 2
     return p
+
+
+@gluon.constexpr_function
+def _layout(name, B, D, dtype):
+    """The kernels' layouts (4 warps, B = 64-row tiles, D = 128), by name: lb of
+    1-D vectors, ld of [B, D] loads, mma_nn / mma_nd of the [B, B] / [B, D] wgmma
+    accumulators, a_op of a [B, B] 16-bit A operand, sh of [B, D] tiles in shared
+    memory."""
+    mma_nd = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    return dict(
+        lb=lambda: gl.BlockedLayout([1], [32], [4], [0]),
+        ld=lambda: gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]),
+        mma_nn=lambda: gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, B, 16]),
+        mma_nd=lambda: mma_nd,
+        a_op=lambda: gl.DotOperandLayout(operand_index=0, parent=mma_nd, k_width=2),
+        sh=lambda: gl.NVMMASharedLayout.get_default_for([B, D], dtype),
+    )[name]()
+
+
+@gluon.jit
+def _seq_bounds(cu_k_ptr, cu_q_ptr, num_seqs, B_P2: gl.constexpr, DECODE_Q: gl.constexpr, lb: gl.constexpr):
+    """Per sequence ([B_P2], layout lb): first key row, key count, first query
+    row, query count (kernels.py's _seq_bounds)."""
+    o_b = gl.arange(0, B_P2, layout=lb)
+    m_b = o_b < num_seqs
+    k_lo_b = gl.load(cu_k_ptr + o_b, mask=m_b, other=0)
+    k_len_b = gl.load(cu_k_ptr + o_b + 1, mask=m_b, other=0) - k_lo_b
+    if DECODE_Q:
+        q_lo_b = o_b
+        q_len_b = gl.where(m_b, 1, 0)
+    else:
+        q_lo_b = gl.load(cu_q_ptr + o_b, mask=m_b, other=0)
+        q_len_b = gl.load(cu_q_ptr + o_b + 1, mask=m_b, other=0) - q_lo_b
+    return o_b, k_lo_b, k_len_b, q_lo_b, q_len_b
 
 
 @gluon.jit
@@ -207,30 +242,19 @@ def _bsattn_bwd_dkdv_gluon_kernel(
     """dK, dV [Tk, Hkv, D]: _bsattn_bwd_dkdv_kernel's contract (4 warps, one
     warpgroup; EVEN_D and not IS_FP32, BLOCK_M == BLOCK_N == BLOCK_SIZE)."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    lb: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    ld: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])      # [64, 128] tiles
-    mma_nn: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                     instr_shape=[16, BLOCK_M, 16])
-    mma_nd: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                     instr_shape=[16, BLOCK_D, 16])
-    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_nd, k_width=2)
-    sh: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_D], dtype)
+    lb: gl.constexpr = _layout("lb", BLOCK_M, BLOCK_D, dtype)
+    ld: gl.constexpr = _layout("ld", BLOCK_M, BLOCK_D, dtype)
+    mma_nn: gl.constexpr = _layout("mma_nn", BLOCK_M, BLOCK_D, dtype)
+    mma_nd: gl.constexpr = _layout("mma_nd", BLOCK_M, BLOCK_D, dtype)
+    a_op: gl.constexpr = _layout("a_op", BLOCK_M, BLOCK_D, dtype)
+    sh: gl.constexpr = _layout("sh", BLOCK_M, BLOCK_D, dtype)
 
     pid = gl.program_id(0)
     i_kvh = pid % num_kv_heads
     flat = pid // num_kv_heads    # a sequence's first key tiles (the most rows) first
 
     # ---- key tile schedule from cu_seqlens (as the Triton kernel)
-    o_b = gl.arange(0, B_P2, layout=lb)
-    m_b = o_b < num_seqs
-    k_lo_b = gl.load(cu_k_ptr + o_b, mask=m_b, other=0)
-    k_len_b = gl.load(cu_k_ptr + o_b + 1, mask=m_b, other=0) - k_lo_b
-    if DECODE_Q:
-        q_lo_b = o_b
-        q_len_b = gl.where(m_b, 1, 0)
-    else:
-        q_lo_b = gl.load(cu_q_ptr + o_b, mask=m_b, other=0)
-        q_len_b = gl.load(cu_q_ptr + o_b + 1, mask=m_b, other=0) - q_lo_b
+    o_b, k_lo_b, k_len_b, q_lo_b, q_len_b = _seq_bounds(cu_k_ptr, cu_q_ptr, num_seqs, B_P2, DECODE_Q, lb)
     tiles_b = (k_len_b + BLOCK_N - 1) // BLOCK_N
     end_b = gl.associative_scan(tiles_b, 0, _add)
     i_b = gl.sum((end_b <= flat).to(gl.int32), 0)
@@ -289,3 +313,161 @@ def _bsattn_bwd_dkdv_gluon_kernel(
     m_out = ((kstart + r_o) < k_len)[:, None]
     gl.store(dk_ptr + p_out, (b_dk * SM_SCALE).to(dk_ptr.dtype.element_ty), mask=m_out)
     gl.store(dv_ptr + p_out, b_dv.to(dv_ptr.dtype.element_ty), mask=m_out)
+
+
+@gluon.jit
+def _load_kv_block(k_dst, v_dst, k_base, v_base, c, k_len, r_ld, c_ld, BLOCK_N: gl.constexpr,
+                   stride_kt: gl.constexpr, stride_vt: gl.constexpr):
+    """Start the cp.async copies of key block c's K and V tiles (keys past k_len
+    zero-filled)."""
+    kpos = c * BLOCK_N + r_ld
+    m = (kpos < k_len)[:, None]
+    rows = kpos.to(gl.int64)
+    async_copy.async_copy_global_to_shared(k_dst, k_base + rows[:, None] * stride_kt + c_ld[None, :], mask=m)
+    async_copy.async_copy_global_to_shared(v_dst, v_base + rows[:, None] * stride_vt + c_ld[None, :], mask=m)
+
+
+@jit(gluon=True)
+def _bsattn_bwd_dq_gluon_kernel(
+    # input pointers
+    q_ptr, k_ptr, v_ptr, out_ptr, do_ptr, lse_ptr, cu_k_ptr, cu_q_ptr, crow_ptr, col_ptr,
+    # runtime scalars
+    num_seqs,
+    # output pointers
+    dq_ptr, delta_ptr,
+    # constexprs
+    num_heads: gl.constexpr, num_rows: gl.constexpr, head_size: gl.constexpr,
+    num_queries_per_kv: gl.constexpr,
+    stride_qt: gl.constexpr, stride_qh: gl.constexpr, stride_kt: gl.constexpr,
+    stride_kh: gl.constexpr, stride_vt: gl.constexpr, stride_vh: gl.constexpr,
+    stride_ot: gl.constexpr, stride_oh: gl.constexpr,
+    stride_dot: gl.constexpr, stride_doh: gl.constexpr, stride_crow_h: gl.constexpr,
+    stride_col_h: gl.constexpr,
+    BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_D: gl.constexpr, GROUP: gl.constexpr, B_P2: gl.constexpr, NNZ_P2: gl.constexpr,
+    CNT_CHUNK: gl.constexpr, DECODE_Q: gl.constexpr, EVEN_D: gl.constexpr, IS_FP32: gl.constexpr,
+    QK_SCALE: gl.constexpr, SM_SCALE: gl.constexpr,
+):
+    """dQ [Tq, Hq, D] and delta [Tq, Hq]: _bsattn_bwd_dq_kernel's contract (4
+    warps; EVEN_D and not IS_FP32, GROUP == 1, BLOCK_M == BLOCK_N ==
+    BLOCK_SIZE). Per step (key block c of the query tile's row, ascending):
+
+        S = Q K^T  and  dP = dO V^T     issued together
+        P = exp2(S * scale - lse)       while dP runs
+        dS = P (dP - delta)
+        dQ += dS K
+
+    with the next block's K and V loading (cp.async, two slots) meanwhile. Only
+    the diagonal block takes a mask (causal), which also covers the keys past
+    the sequence's end (they lie in its last block, the last tile's diagonal);
+    query rows outside the sequence have zero Q and dO (dS = 0) and are not
+    stored."""
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    lb: gl.constexpr = _layout("lb", BLOCK_M, BLOCK_D, dtype)
+    ld: gl.constexpr = _layout("ld", BLOCK_M, BLOCK_D, dtype)
+    mma_nn: gl.constexpr = _layout("mma_nn", BLOCK_M, BLOCK_D, dtype)
+    mma_nd: gl.constexpr = _layout("mma_nd", BLOCK_M, BLOCK_D, dtype)
+    a_op: gl.constexpr = _layout("a_op", BLOCK_M, BLOCK_D, dtype)
+    sh: gl.constexpr = _layout("sh", BLOCK_M, BLOCK_D, dtype)
+
+    pid = gl.program_id(0)
+    i_h = pid % num_heads
+    flat = gl.num_programs(0) // num_heads - 1 - pid // num_heads   # heaviest tiles first
+
+    # ---- query tile schedule from cu_seqlens (as the Triton kernel)
+    o_b, k_lo_b, k_len_b, q_lo_b, q_len_b = _seq_bounds(cu_k_ptr, cu_q_ptr, num_seqs, B_P2, DECODE_Q, lb)
+    first_b = (k_len_b - q_len_b) // BLOCK_M
+    tiles_b = gl.where(q_len_b > 0, (k_len_b + BLOCK_M - 1) // BLOCK_M - first_b, 0)
+    end_b = gl.associative_scan(tiles_b, 0, _add)
+    i_b = gl.sum((end_b <= flat).to(gl.int32), 0)
+    if i_b >= num_seqs:
+        return
+    sel = o_b == i_b
+    k_lo = _pick(sel, k_lo_b)
+    k_len = _pick(sel, k_len_b)
+    q_lo = _pick(sel, q_lo_b)
+    past = k_len - _pick(sel, q_len_b)
+    qb = _pick(sel, first_b + flat - end_b + tiles_b)      # the tile's layout row (BLOCK_M == BLOCK_SIZE)
+
+    # ---- the query tile: Q and dO into shared memory, delta from O and dO (stored
+    # for the dK/dV kernel), the LSE in base 2
+    r_ld = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+    c_ld = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld))
+    qpos = qb * BLOCK_M + r_ld
+    m_q = (qpos >= past) & (qpos < k_len)
+    t = (q_lo + qpos - past).to(gl.int64)
+    b_do = gl.load(do_ptr + t[:, None] * stride_dot + i_h * stride_doh + c_ld[None, :], mask=m_q[:, None],
+                   other=0.0)
+    b_o = gl.load(out_ptr + t[:, None] * stride_ot + i_h * stride_oh + c_ld[None, :], mask=m_q[:, None],
+                  other=0.0)
+    b_delta = gl.sum(b_o.to(gl.float32) * b_do.to(gl.float32), 1)
+    gl.store(delta_ptr + t * num_heads + i_h, b_delta, mask=m_q)
+    b_delta = gl.convert_layout(b_delta, gl.SliceLayout(1, mma_nn))
+    do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], sh, b_do)
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], sh, gl.load(
+        q_ptr + t[:, None] * stride_qt + i_h * stride_qh + c_ld[None, :], mask=m_q[:, None], other=0.0))
+    r_s = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_nn))
+    q_s = qb * BLOCK_M + r_s
+    m_s = (q_s >= past) & (q_s < k_len)
+    b_lse2 = gl.load(lse_ptr + (q_lo + q_s - past).to(gl.int64) * num_heads + i_h, mask=m_s,
+                     other=0.0) * LOG2E
+
+    # ---- the row's key blocks kb <= qb (col is ascending: a prefix of the row)
+    p_crow = crow_ptr + i_h * stride_crow_h
+    p_col = col_ptr + i_h * stride_col_h + gl.load(p_crow + qb)
+    n_row = gl.load(p_crow + qb + 1) - gl.load(p_crow + qb)
+    o_c = gl.arange(0, NNZ_P2, layout=lb)
+    cols = gl.load(p_col + o_c, mask=o_c < n_row, other=num_rows)
+    n_steps = gl.sum((cols <= qb).to(gl.int32), 0)
+
+    i_kvh = (i_h // num_queries_per_kv).to(gl.int64)
+    k_base = k_ptr + k_lo.to(gl.int64) * stride_kt + i_kvh * stride_kh
+    v_base = v_ptr + k_lo.to(gl.int64) * stride_vt + i_kvh * stride_vh
+    k_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_D], sh)
+    v_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_D], sh)
+    zero_nn = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_nn)
+    c_cur = gl.load(p_col, mask=n_steps > 0, other=0)
+    c_nxt = gl.load(p_col + gl.minimum(1, n_steps - 1), mask=n_steps > 0, other=0)
+    if n_steps > 0:
+        _load_kv_block(k_ring.index(0), v_ring.index(0), k_base, v_base, c_cur, k_len, r_ld, c_ld, BLOCK_N,
+                       stride_kt, stride_vt)
+    async_copy.commit_group()
+    b_dq = warpgroup_mma_init(gl.zeros([BLOCK_M, BLOCK_D], gl.float32, layout=mma_nd))
+    for j in range(0, n_steps):
+        slot = j % 2
+        # step j - 1's products are done: its slot takes block j + 1
+        c_nn = gl.load(p_col + gl.minimum(j + 2, n_steps - 1))       # read a step ahead of its use
+        if j + 1 < n_steps:
+            _load_kv_block(k_ring.index(1 - slot), v_ring.index(1 - slot), k_base, v_base, c_nxt, k_len, r_ld,
+                           c_ld, BLOCK_N, stride_kt, stride_vt)
+        async_copy.commit_group()
+        async_copy.wait_group(1)
+        fence_async_shared()
+        gl.thread_barrier()
+        k_s = k_ring.index(slot)
+        acc_s = warpgroup_mma(q_smem, k_s.permute((1, 0)), zero_nn, use_acc=False, is_async=True)
+        acc_dp = warpgroup_mma(do_smem, v_ring.index(slot).permute((1, 0)), zero_nn, use_acc=False,
+                               is_async=True)
+        acc_s = warpgroup_mma_wait(num_outstanding=1, deps=(acc_s,))
+        b_p = _exp2_ftz(acc_s * QK_SCALE - b_lse2[:, None])
+        if c_cur == qb:   # the diagonal: key <= query (local indices)
+            c_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_nn))
+            b_p = gl.where(c_s[None, :] <= r_s[:, None], b_p, 0.0)
+        acc_dp = warpgroup_mma_wait(num_outstanding=0, deps=(acc_dp,))
+        b_ds = b_p * (acc_dp - b_delta[:, None])
+        b_dq = warpgroup_mma(gl.convert_layout(b_ds.to(dtype), a_op), k_s, b_dq, is_async=True)
+        # NOTE: waited here, not at the next step's start: an accumulator still in
+        # flight across the loop's back edge made ptxas serialize every wgmma (C7515)
+        b_dq = warpgroup_mma_wait(num_outstanding=0, deps=(b_dq,))
+        b_dq = warpgroup_mma_init(b_dq)
+        c_cur = c_nxt
+        c_nxt = c_nn
+    async_copy.wait_group(0)
+    b_dq = warpgroup_mma_wait(num_outstanding=0, deps=(b_dq,))
+
+    r_o = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_nd))
+    c_o = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, mma_nd))
+    q_o = qb * BLOCK_M + r_o
+    t_o = (q_lo + q_o - past).to(gl.int64)
+    gl.store(dq_ptr + t_o[:, None] * (num_heads * head_size) + i_h * head_size + c_o[None, :],
+             (b_dq * SM_SCALE).to(dq_ptr.dtype.element_ty), mask=((q_o >= past) & (q_o < k_len))[:, None])

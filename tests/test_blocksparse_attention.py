@@ -306,7 +306,14 @@ def test_gpu_test_plans_build():
     q, k, v, cu_k, cu_q = make_batch([2048, 1500, 900, 4096], [2048, 1, 333, 1], 32, 8, 128, "float16")
     plan = plan_blocksparse_attention(H200, *infos(q, k, v, cu_k, cu_q, crow, col), block_size=64,
                                       max_seqlen=4096)
+    assert kernel_names(plan) == ["_bsattn_fwd_gluon_kernel"]
+    plan = plan_blocksparse_attention(H200, *infos(q, k, v, cu_k, cu_q, crow, col), block_size=64,
+                                      max_seqlen=4096, config=BlocksparsePrefillConfig(gluon=False))
     assert kernel_names(plan) == ["_bsattn_fwd_kernel"]
+    plan = plan_blocksparse_attention(H200, *infos(q.astype(np.float32), k.astype(np.float32),
+                                                   v.astype(np.float32), cu_k, cu_q, crow, col),
+                                      block_size=64, max_seqlen=4096)
+    assert kernel_names(plan) == ["_bsattn_fwd_kernel"]     # fp32: outside the Gluon kernel's scope
     q, k, v, cu_k, _ = make_batch([4000], None, 32, 8, 128, "float16")
     plan = plan_blocksparse_attention(H200, *infos(q, k, v, cu_k, None, crow, col), block_size=64)
     assert kernel_names(plan) == ["_bsattn_decode_kernel", "_bsattn_combine_kernel"]
@@ -834,3 +841,30 @@ def test_gpu_phi3_small_vs_reference_and_bitwise(dtype):
     assert_bitwise_equal(t, j, "packed decode torch vs jax")
     assert_close(t, reference(qd, kd, vd, cu_kd, None, mask, 64), dtype, "phi3-small packed decode")
     assert "_bsattn_decode_group_kernel" in run_plan_torch(qd, kd, vd, cu_kd, crow, col, 64)[1]
+
+
+@requires_gpu
+@pytest.mark.parametrize("gluon", [False, True])
+def test_gpu_prefill_kernel_forms(gluon):
+    """The Triton prefill kernel and the Gluon one (sm_90) against the reference,
+    LSE included: a mixed batch (prefills over cached prefixes starting mid-block,
+    decodes, an empty sequence), GQA, per-head layout."""
+    import adapters.jax as aj
+    lens_k, lens_q = [2048, 1500, 900, 4096, 77], [2048, 1, 333, 1, 0]
+    (crow, col), _ = build_sparse_layout(32, 4096, 64, 16, 8, False)
+    q, k, v, cu_k, cu_q = make_batch(lens_k, lens_q, 32, 8, 128, "bfloat16")
+    out, lse = aj.blocksparse_flash_attn_varlen_fwd_lse(
+        *map(to_jax, (q, k, v, cu_k, cu_q)), None, (to_jax(crow), to_jax(col)), block_size=64,
+        max_seqlen=4096, config=BlocksparsePrefillConfig(gluon=gluon))
+    mask = formula_block_mask(32, 64, 16, 8, False)
+    assert_close(np.asarray(out), reference(q, k, v, cu_k, cu_q, mask, 64), "bfloat16", "prefill forms")
+    # the LSE against float64 (each row's allowed keys, the causal mask)
+    qf, kf = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    for b, (lk, lq) in enumerate(zip(lens_k, lens_q)):
+        for i in range(0, lq, 97):
+            t, pos = cu_q[b] + i, lk - lq + i
+            for h in (0, 13, 31):
+                keys = [j for j in range(pos + 1) if mask[h, pos // 64, j // 64]]
+                s = kf[cu_k[b] + np.array(keys), h // 4] @ qf[t, h] * 128 ** -0.5
+                want = np.log(np.exp(s - s.max()).sum()) + s.max()
+                assert abs(float(lse[t, h]) - want) < 1e-2 * max(1.0, abs(want)), (b, i, h)

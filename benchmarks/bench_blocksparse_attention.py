@@ -20,8 +20,8 @@ COLUMNS = ["name", "variant", "time_us", "gpu_us", "tflops", "pct_roofline", "tb
            "sdpa_us", "speedup_vs_sdpa", "vs_baseline", "jax_torch_ratio"]
 # the kernel this is modelled on, same H200 (issue 5)
 BASELINE_US = {"prefill-1x16384": 1520.0, "decode-1x16384": 258.0}
-PREFILL_VARIANTS = [  # BlocksparsePrefillConfig(block_m, block_n, num_warps, num_stages, gluon); None = the plan's
-    None, (64, 64, 4, 3, False),
+PREFILL_VARIANTS = [  # BlocksparsePrefillConfig(block_m, block_n, num_warps, num_stages); None = the plan's
+    None, (64, 64, 4, 2),
 ]
 # first H200 run: (64,64,8,3) 0.48x, (32,64,4,3) 0.43x, (64,64,4,4) 0.62x the default's speed;
 # 128-row tiles over two layout rows (since removed): 1709 us at 1x16384 vs 1431 for the default
@@ -135,7 +135,7 @@ def run():
                     label = f"group{var[0]}-splits{var[1]}"
                 else:
                     config = BlocksparsePrefillConfig(*var)
-                    label = "bm{}-bn{}-w{}-s{}".format(*var) + ("" if var[4] else "-triton")
+                    label = "bm{}-bn{}-w{}-s{}".format(*var)
                 plan = plan_blocksparse_attention(target, *args, **options, config=config)
 
                 def fn(i=0, plan=plan):

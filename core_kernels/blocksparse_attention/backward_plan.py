@@ -16,7 +16,7 @@ from .._target import Target
 from .backward_kernels import (ROWS_PER_WORD, _bsattn_bwd_colmask_kernel, _bsattn_bwd_dkdv_kernel,
                                _bsattn_bwd_dq_kernel)
 from .kernels import LOG2E
-from .plan import (BlocksparsePrefillConfig, _check_fields, _gluon_prefill_applies, _prefill_config, _prefill_launch,
+from .plan import (BlocksparsePrefillConfig, _check_fields, _prefill_config, _prefill_launch,
                    _Problem, _query_tiles, _validate)
 
 NO_DECODE_CONFIG = ("config: a call that needs a gradient runs the prefill kernel with its LSE "
@@ -61,8 +61,7 @@ def plan_blocksparse_attention_lse(
     if p.empty:
         return Plan(buffers, (), ("output", "lse"))
     config = config or _prefill_config(target, p)
-    return Plan(buffers, (_prefill_launch(p, config, with_lse=True,
-                                          gluon=_gluon_prefill_applies(target, p, config)),), ("output", "lse"))
+    return Plan(buffers, (_prefill_launch(p, config, with_lse=True),), ("output", "lse"))
 
 
 @memoize

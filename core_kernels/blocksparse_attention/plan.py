@@ -85,9 +85,6 @@ class BlocksparsePrefillConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = PREFILL_STAGES
-    # the Gluon kernel (gluon_forward.py) where it applies: sm_90, bf16/fp16, D 128,
-    # 64-token blocks and tiles, q_block_size = block_size, 4 warps (num_stages unused)
-    gluon: bool = True
 
 
 @config_class
@@ -177,7 +174,7 @@ def plan_blocksparse_attention(
         return Plan(buffers, (), ("output",))
     config = config or _choose(target, p)
     if isinstance(config, BlocksparsePrefillConfig):
-        launches = (_prefill_launch(p, config, gluon=_gluon_prefill_applies(target, p, config)),)
+        launches = (_prefill_launch(p, config),)
     elif isinstance(config, BlocksparseDecodeConfig):
         launches = _decode_launches(p, config, buffers)
     else:
@@ -358,6 +355,13 @@ def _prefill_config(target: Target, p: _Problem) -> BlocksparsePrefillConfig:
     # (255 registers: one CTA per SM, the two warpgroups wait on each other);
     # (64,64,8,3) 0.48x, (32,64,4,3) 0.43x, (64,64,4,4) 0.62x the default's
     # speed. See benchmarks/sweep_blocksparse.py. 8 warps for D > 128.
+    # NOTE: Gluon forms of this kernel (sm_90, bf16, D 128), measured on the H200 at
+    # 1x16384 Phi-3-small and not kept (2026-11-25; the code is commit 375de9c): one
+    # query tile per program with S and the previous block's P V issued together
+    # and the softmax overlapping the latter, 1313 us against this kernel's 1311 in
+    # the same run; pairs of query tiles (two layout rows sharing each K/V load
+    # through the union of their columns, 8 warps, one CTA per SM at 185 registers
+    # and 128 KB of shared memory) 1509 against 1284 us, 4x4096 924 against 760 us.
     bm = bn = min(p.block_size, 64)
     return BlocksparsePrefillConfig(bm, bn, 8 if p.d_pad > 128 else 4,
                                     _fit_stages(bm, bn, PREFILL_STAGES, p))
@@ -410,29 +414,13 @@ def _query_tiles(p: _Problem, bm: int) -> int:
     return min(cdiv(q_tokens, bm) + 2 * p.b, p.b * cdiv(p.max_seqlen, bm))
 
 
-def _gluon_prefill_applies(target: Target, p: _Problem, config: BlocksparsePrefillConfig) -> bool:
-    """gluon_forward.py's scope."""
-    return (config.gluon and target.gluon and target.hopper and p.dtype in ("bfloat16", "float16")
-            and p.d == 128 and p.block_size == 64 and p.group == 1 and config.block_m == 64
-            and config.block_n == 64 and config.num_warps == 4)
-
-
-def _prefill_kernel(with_lse: bool, gluon: bool):
-    if gluon:
-        from . import gluon_forward   # Gluon: imported where it runs
-        return gluon_forward._bsattn_fwd_lse_gluon_kernel if with_lse else gluon_forward._bsattn_fwd_gluon_kernel
-    return _bsattn_fwd_lse_kernel if with_lse else _bsattn_fwd_kernel
-
-
-def _prefill_launch(p: _Problem, config: BlocksparsePrefillConfig, with_lse: bool = False,
-                    gluon: bool = False) -> Launch:
+def _prefill_launch(p: _Problem, config: BlocksparsePrefillConfig, with_lse: bool = False) -> Launch:
     """_bsattn_fwd_kernel, or with ``with_lse`` _bsattn_fwd_lse_kernel (also writes
-    buffer "lse" [Tq, Hq] fp32: the variant a backward needs); with ``gluon``
-    their Gluon forms (gluon_forward.py; see _gluon_prefill_applies)."""
+    buffer "lse" [Tq, Hq] fp32: the variant a backward needs)."""
     bm = config.block_m
-    n_flat = _query_tiles(p, 2 * bm if gluon else bm)   # the Gluon kernel: pairs of query tiles
+    n_flat = _query_tiles(p, bm)
     return Launch(
-        kernel=_prefill_kernel(with_lse, gluon), grid=(n_flat * p.hq,),
+        kernel=_bsattn_fwd_lse_kernel if with_lse else _bsattn_fwd_kernel, grid=(n_flat * p.hq,),
         params=dict(_INPUTS, cu_q_ptr="cu_seqlens_q" if p.has_cu_q else "cu_seqlens_k",
                     num_seqs=Scalar(p.b), out_ptr="output", **({"lse_ptr": "lse"} if with_lse else {})),
         writes=("out_ptr", "lse_ptr") if with_lse else ("out_ptr",),
@@ -442,7 +430,7 @@ def _prefill_launch(p: _Problem, config: BlocksparsePrefillConfig, with_lse: boo
                         NNZ_P2=max(2, next_pow2(min(p.nnz, p.nb))), CNT_CHUNK=64,
                         DECODE_Q=p.decode_only, EVEN_D=p.d_pad == p.d,
                         IS_FP32=p.dtype == "float32", QK_SCALE=p.qk_scale),
-        num_warps=8 if gluon else config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def _partials(p: _Problem, splits: int, buffers: dict) -> int:

@@ -195,6 +195,35 @@ class TestJax(JaxAdapter, BlocksparseBackwardTests):
         got = aj.blocksparse_flash_attn_varlen_backward(*args, out, lse, to_jax(c["go"]), *idx, **opts)
         check_grads([np.asarray(x) for x in got], reference(c, 0.3), "float32")
 
+    def test_tokens_outside_every_sequence_get_zero_gradients(self, monkeypatch):
+        """Rows past cu_seqlens[-1] (padding) in q, k and v: their gradients are
+        zeros, the others match the reference (the gradients are not memset:
+        the backward zeroes those rows itself). On the CPU the interpreter's
+        uninitialised buffers are poisoned (NaN) so that a missed row shows."""
+        import adapters.jax as aj
+        import core_kernels._interpret as interp
+
+        class PoisonedNumpy:
+            def __getattr__(self, name):
+                return getattr(np, name)
+
+            @staticmethod
+            def empty(shape, dtype=float):
+                return np.full(shape, np.nan if np.dtype(dtype).kind in "fV" else -7, dtype)
+
+        monkeypatch.setattr(interp, "np", PoisonedNumpy())
+        c = make_case([(20, 36), (9, 25)], 4, 2, 16, "float32")
+        pad = lambda x, n: np.concatenate([x, np.full((n,) + x.shape[1:], 3.0, x.dtype)])  # noqa: E731
+        args = [to_jax(pad(c["q"], 5)), to_jax(pad(c["k"], 7)), to_jax(pad(c["v"], 7))]
+        idx = (to_jax(c["cu_k"]), to_jax(c["cu_q"]), 0.3, (to_jax(c["crow"]), to_jax(c["col"])))
+        opts = dict(block_size=c["bs"], max_seqlen=c["max_seqlen"])
+        out, lse = aj.blocksparse_flash_attn_varlen_fwd_lse(*args, *idx, **opts)
+        got = aj.blocksparse_flash_attn_varlen_backward(*args, out, lse, to_jax(pad(c["go"], 5)), *idx, **opts)
+        got = [np.asarray(x) for x in got]
+        for name, g, n in zip(("dq", "dk", "dv"), got, (5, 7, 7)):
+            assert np.all(g[-n:] == 0), f"{name}: rows outside every sequence"
+        check_grads([g[:len(g) - n] for g, n in zip(got, (5, 7, 7))], reference(c, 0.3), "float32")
+
     def test_module_and_vmap_of_grad(self):
         import jax
         import adapters.jax as aj

@@ -16,15 +16,18 @@ while the current step computes. Only the diagonal step takes a mask (causal):
 queries outside the sequence get zero-filled Q, dO, LSE and delta, which add
 nothing (_causal). Same launch, arguments and schedule as the Triton kernel
 (one program per (key tile, KV head); the query heads of the group in order,
-each one's rows of the transposed layout ascending) and the same products
+each one's rows of the transposed layout ascending, as one walk: _group_rows) and the same products
 (16-bit operands, fp32 accumulation; exp2 flushes results below fp32's normal
 range to 0). Scope (the planner checks it): GPU sm_90, bf16 or fp16, head size
 128, block_size = block_m = block_n = 64, q_block_size = block_size, 4 warps.
 
 NOTE: measured on the H200 (Phi-3-small 1x16384 bf16, bench_blocksparse_backward.py,
-2026-11-25): the dK/dV kernel alone 2.84-2.92 ms against the Triton kernel's 3.04, the
-dQ kernel 1.58 against 1.72; forward + backward 5.83 ms with both (SDPA 14.15 ms:
-2.43x), 5.90 with the Gluon dK/dV kernel only. Measured and not kept (same day): the
+2026-11-25): the dK/dV kernel alone 2.62 ms against the Triton kernel's 3.04, the dQ
+kernel 1.52 against 1.72; forward + backward 5.46-5.50 ms (dense causal SDPA 14.27
+ms: 2.59-2.61x). On the way there (same day): the dK/dV kernel walking each query
+head of the group as its own pipeline (a load drain per head) took 2.84-2.93 ms
+(its spills 148 bytes, now 76: fewer values live across the head loop), and the dQ
+kernel loading Q, dO and O into registers before its first K/V block 1.55 ms. Measured and not kept (same day): the
 first form, LSE and delta read with plain loads at each step and a causal and bounds
 mask on every step, 3.34 ms; a software-pipelined loop (each step issuing the next
 step's S^T and dP^T behind its own dV and dK) 5.10 ms for the backward launches
@@ -108,36 +111,44 @@ def _seq_bounds(cu_k_ptr, cu_q_ptr, num_seqs, B_P2: gl.constexpr, DECODE_Q: gl.c
 
 
 @gluon.jit
-def _head_rows(p_mask, r_lo, r_hi, WORDS: gl.constexpr, lw: gl.constexpr):
-    """The rows [r_lo, r_hi] set in one head's transposed-layout bits: each
-    word's bits (rows outside the range cleared), the inclusive cumsum of their
-    counts and the total, so that step i's row is found from i alone (_row_of)."""
+def _group_rows(p_mask, stride_h, r_lo, r_hi, num_queries_per_kv: gl.constexpr, WORDS: gl.constexpr,
+                lw: gl.constexpr):
+    """The rows [r_lo, r_hi] set in the transposed-layout bits of the group's query
+    heads (p_mask: the first head's words of this key block, stride_h: the next
+    head's offset), one lane per (head, word): the bits (rows outside the range
+    cleared), the inclusive cumsum of their counts and the total, so that step
+    i's head and row are found from i alone (_row_of): heads in order, each
+    one's rows ascending."""
     W_P2: gl.constexpr = _next_pow2(WORDS)
-    o_w = gl.arange(0, W_P2, layout=lw)
-    m_w = (o_w >= r_lo // 32) & (o_w <= r_hi // 32)
-    bits = gl.load(p_mask + o_w, mask=m_w, other=0).to(gl.uint32, bitcast=True)
+    L: gl.constexpr = _next_pow2(num_queries_per_kv) * W_P2
+    o_l = gl.arange(0, L, layout=lw)
+    o_w = o_l % W_P2
+    m_w = (o_l // W_P2 < num_queries_per_kv) & (o_w >= r_lo // 32) & (o_w <= r_hi // 32)
+    bits = gl.load(p_mask + (o_l // W_P2) * stride_h + o_w, mask=m_w, other=0).to(gl.uint32, bitcast=True)
     lo = r_lo - o_w * 32                        # first row of the range in the word's bit numbering
     hi = r_hi - o_w * 32
-    full = gl.full([W_P2], 0xFFFFFFFF, gl.uint32, layout=lw)
+    full = gl.full([L], 0xFFFFFFFF, gl.uint32, layout=lw)
     keep_lo = gl.where(lo <= 0, full, full << gl.minimum(gl.maximum(lo, 0), 31).to(gl.uint32))
     keep_hi = gl.where(hi >= 31, full, full >> (31 - gl.minimum(gl.maximum(hi, 0), 31)).to(gl.uint32))
     bits = gl.where(m_w & (hi >= 0), bits & keep_lo & keep_hi, 0).to(gl.int32, bitcast=True)
     counts = _popc(bits)
     cum = gl.associative_scan(counts, 0, _add)
-    return o_w, bits, counts, cum, gl.sum(counts, 0)
+    return o_l, bits, counts, cum, gl.sum(counts, 0)
 
 
 @gluon.jit
-def _row_of(i, o_w, bits, counts, cum, lb: gl.constexpr):
-    """Row of step i: word wi holds it, as the j-th set bit of that word."""
-    wi = gl.sum((cum <= i).to(gl.int32), 0)
-    sel = o_w == wi
+def _row_of(i, o_l, bits, counts, cum, WORDS: gl.constexpr, lb: gl.constexpr):
+    """(head in the group, row) of step i: lane li holds it, as the j-th set bit
+    of that lane's word."""
+    W_P2: gl.constexpr = _next_pow2(WORDS)
+    li = gl.sum((cum <= i).to(gl.int32), 0)
+    sel = o_l == li
     j = i - _pick(sel, cum - counts)
     word = _pick(sel, bits)
     o_x = gl.arange(0, 32, layout=lb)
     is_set = ((word >> o_x) & 1) == 1
     rank = gl.associative_scan(is_set.to(gl.int32), 0, _add) - 1
-    return wi * 32 + gl.sum(gl.where(is_set & (rank == j), o_x, 0), 0)
+    return li // W_P2, (li % W_P2) * 32 + gl.sum(gl.where(is_set & (rank == j), o_x, 0), 0)
 
 
 @gluon.jit
@@ -176,29 +187,31 @@ def _causal(b_pt, diagonal, mma_nn: gl.constexpr):
 
 
 @gluon.jit
-def _head_steps(b_dk, b_dv, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, q_ptr, do_ptr, lse_ptr,
-                delta_ptr, row, n_steps, o_w, bits, counts, cum, q_lo, past, k_len, i_h, r_ld, c_ld, o_v, kb,
-                zero_nn, num_heads: gl.constexpr, BLOCK_M: gl.constexpr, stride_qt: gl.constexpr,
-                stride_qh: gl.constexpr, stride_dot: gl.constexpr, stride_doh: gl.constexpr,
-                QK_SCALE: gl.constexpr, lb: gl.constexpr, mma_nn: gl.constexpr, a_op: gl.constexpr,
-                dtype: gl.constexpr):
-    """One head's steps (rows from _row_of) into dK and dV (in and out as tensors;
-    in between, asynchronous accumulators)."""
+def _steps(b_dk, b_dv, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, q_ptr, do_ptr, lse_ptr,
+           delta_ptr, n_steps, o_l, bits, counts, cum, h0, q_lo, past, k_len, r_ld, c_ld, o_v, kb, zero_nn,
+           num_heads: gl.constexpr, BLOCK_M: gl.constexpr, WORDS: gl.constexpr, stride_qt: gl.constexpr,
+           stride_qh: gl.constexpr, stride_dot: gl.constexpr, stride_doh: gl.constexpr,
+           QK_SCALE: gl.constexpr, lb: gl.constexpr, mma_nn: gl.constexpr, a_op: gl.constexpr,
+           dtype: gl.constexpr):
+    """The program's steps (query head h0 + head, row from _row_of) into dK and dV
+    (in and out as tensors; in between, asynchronous accumulators)."""
     b_dk = warpgroup_mma_init(b_dk)
     b_dv = warpgroup_mma_init(b_dv)
+    hh, row = _row_of(0, o_l, bits, counts, cum, WORDS, lb)
     if n_steps > 0:
         _load_step(q_ring.index(0), do_ring.index(0), lse_ring.index(0), delta_ring.index(0), q_ptr, do_ptr,
-                   lse_ptr, delta_ptr, row, q_lo, past, k_len, i_h, r_ld, c_ld, o_v, num_heads, BLOCK_M,
+                   lse_ptr, delta_ptr, row, q_lo, past, k_len, h0 + hh, r_ld, c_ld, o_v, num_heads, BLOCK_M,
                    stride_qt, stride_qh, stride_dot, stride_doh)
         async_copy.commit_group()
     for i in range(0, n_steps):
         slot = i % 2
         b_dk, b_dv = warpgroup_mma_wait(num_outstanding=0, deps=(b_dk, b_dv))   # step i - 1's
-        nxt = _row_of(gl.minimum(i + 1, n_steps - 1), o_w, bits, counts, cum, lb)
+        n_hh, nxt = _row_of(gl.minimum(i + 1, n_steps - 1), o_l, bits, counts, cum, WORDS, lb)
         if i + 1 < n_steps:
             _load_step(q_ring.index(1 - slot), do_ring.index(1 - slot), lse_ring.index(1 - slot),
                        delta_ring.index(1 - slot), q_ptr, do_ptr, lse_ptr, delta_ptr, nxt, q_lo, past, k_len,
-                       i_h, r_ld, c_ld, o_v, num_heads, BLOCK_M, stride_qt, stride_qh, stride_dot, stride_doh)
+                       h0 + n_hh, r_ld, c_ld, o_v, num_heads, BLOCK_M, stride_qt, stride_qh, stride_dot,
+                       stride_doh)
         async_copy.commit_group()
         async_copy.wait_group(1)
         fence_async_shared()
@@ -294,16 +307,16 @@ def _bsattn_bwd_dkdv_gluon_kernel(
     r_lo = gl.maximum(kb, past // BLOCK_SIZE)        # query rows that can see this key block
     r_hi = (k_len - 1) // BLOCK_SIZE                 # inclusive
     if q_len > 0:
-        for hh in range(num_queries_per_kv):
-            i_h = i_kvh * num_queries_per_kv + hh
-            o_w, bits, counts, cum, n_steps = _head_rows(
-                colmask_ptr + (i_h * stride_mask_h + kb) * WORDS, r_lo, r_hi, WORDS, lb)
-            row = _row_of(0, o_w, bits, counts, cum, lb)
-            b_dk, b_dv = _head_steps(b_dk, b_dv, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, q_ptr,
-                                     do_ptr, lse_ptr, delta_ptr, row, n_steps, o_w, bits, counts, cum, q_lo,
-                                     past, k_len, i_h, r_ld, c_ld, o_v, kb, zero_nn, num_heads, BLOCK_M,
-                                     stride_qt, stride_qh, stride_dot, stride_doh, QK_SCALE, lb, mma_nn, a_op,
-                                     dtype)
+        # one walk over the group's query heads (in order) and their rows: the
+        # next head's first tiles load while the last head's last step runs
+        h0 = i_kvh * num_queries_per_kv
+        o_l, bits, counts, cum, n_steps = _group_rows(colmask_ptr + (h0 * stride_mask_h + kb) * WORDS,
+                                                      stride_mask_h * WORDS, r_lo, r_hi, num_queries_per_kv,
+                                                      WORDS, lb)
+        b_dk, b_dv = _steps(b_dk, b_dv, k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, q_ptr, do_ptr,
+                            lse_ptr, delta_ptr, n_steps, o_l, bits, counts, cum, h0, q_lo, past, k_len, r_ld,
+                            c_ld, o_v, kb, zero_nn, num_heads, BLOCK_M, WORDS, stride_qt, stride_qh,
+                            stride_dot, stride_doh, QK_SCALE, lb, mma_nn, a_op, dtype)
 
     # ---- dK (scaled), dV, straight from the accumulator layout
     r_o = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_nd))
@@ -389,29 +402,6 @@ def _bsattn_bwd_dq_gluon_kernel(
     past = k_len - _pick(sel, q_len_b)
     qb = _pick(sel, first_b + flat - end_b + tiles_b)      # the tile's layout row (BLOCK_M == BLOCK_SIZE)
 
-    # ---- the query tile: Q and dO into shared memory, delta from O and dO (stored
-    # for the dK/dV kernel), the LSE in base 2
-    r_ld = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
-    c_ld = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld))
-    qpos = qb * BLOCK_M + r_ld
-    m_q = (qpos >= past) & (qpos < k_len)
-    t = (q_lo + qpos - past).to(gl.int64)
-    b_do = gl.load(do_ptr + t[:, None] * stride_dot + i_h * stride_doh + c_ld[None, :], mask=m_q[:, None],
-                   other=0.0)
-    b_o = gl.load(out_ptr + t[:, None] * stride_ot + i_h * stride_oh + c_ld[None, :], mask=m_q[:, None],
-                  other=0.0)
-    b_delta = gl.sum(b_o.to(gl.float32) * b_do.to(gl.float32), 1)
-    gl.store(delta_ptr + t * num_heads + i_h, b_delta, mask=m_q)
-    b_delta = gl.convert_layout(b_delta, gl.SliceLayout(1, mma_nn))
-    do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], sh, b_do)
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], sh, gl.load(
-        q_ptr + t[:, None] * stride_qt + i_h * stride_qh + c_ld[None, :], mask=m_q[:, None], other=0.0))
-    r_s = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_nn))
-    q_s = qb * BLOCK_M + r_s
-    m_s = (q_s >= past) & (q_s < k_len)
-    b_lse2 = gl.load(lse_ptr + (q_lo + q_s - past).to(gl.int64) * num_heads + i_h, mask=m_s,
-                     other=0.0) * LOG2E
-
     # ---- the row's key blocks kb <= qb (col is ascending: a prefix of the row)
     p_crow = crow_ptr + i_h * stride_crow_h
     p_col = col_ptr + i_h * stride_col_h + gl.load(p_crow + qb)
@@ -419,19 +409,47 @@ def _bsattn_bwd_dq_gluon_kernel(
     o_c = gl.arange(0, NNZ_P2, layout=lb)
     cols = gl.load(p_col + o_c, mask=o_c < n_row, other=num_rows)
     n_steps = gl.sum((cols <= qb).to(gl.int32), 0)
+    c_cur = gl.load(p_col, mask=n_steps > 0, other=0)
+    c_nxt = gl.load(p_col + gl.minimum(1, n_steps - 1), mask=n_steps > 0, other=0)
 
+    # ---- one commit group: the first block's K and V, the query tile's Q and dO
+    # (cp.async); meanwhile O and the LSE load, then delta = rowsum(dO * O) is
+    # formed and stored for the dK/dV kernel.
+    # NOTE: H200, Phi-3-small 1x16384 bf16, 2026-11-25: Q, dO and O loaded into
+    # registers first and the first block after them, this kernel took 1.55 ms.
+    r_ld = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
+    c_ld = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, ld))
     i_kvh = (i_h // num_queries_per_kv).to(gl.int64)
     k_base = k_ptr + k_lo.to(gl.int64) * stride_kt + i_kvh * stride_kh
     v_base = v_ptr + k_lo.to(gl.int64) * stride_vt + i_kvh * stride_vh
     k_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_D], sh)
     v_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_D], sh)
-    zero_nn = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_nn)
-    c_cur = gl.load(p_col, mask=n_steps > 0, other=0)
-    c_nxt = gl.load(p_col + gl.minimum(1, n_steps - 1), mask=n_steps > 0, other=0)
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], sh)
+    do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_D], sh)
     if n_steps > 0:
         _load_kv_block(k_ring.index(0), v_ring.index(0), k_base, v_base, c_cur, k_len, r_ld, c_ld, BLOCK_N,
                        stride_kt, stride_vt)
+    qpos = qb * BLOCK_M + r_ld
+    m_q = (qpos >= past) & (qpos < k_len)
+    t = (q_lo + qpos - past).to(gl.int64)
+    async_copy.async_copy_global_to_shared(
+        q_smem, q_ptr + t[:, None] * stride_qt + i_h * stride_qh + c_ld[None, :], mask=m_q[:, None])
+    async_copy.async_copy_global_to_shared(
+        do_smem, do_ptr + t[:, None] * stride_dot + i_h * stride_doh + c_ld[None, :], mask=m_q[:, None])
     async_copy.commit_group()
+    b_o = gl.load(out_ptr + t[:, None] * stride_ot + i_h * stride_oh + c_ld[None, :], mask=m_q[:, None],
+                  other=0.0)
+    r_s = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_nn))
+    q_s = qb * BLOCK_M + r_s
+    m_s = (q_s >= past) & (q_s < k_len)
+    b_lse2 = gl.load(lse_ptr + (q_lo + q_s - past).to(gl.int64) * num_heads + i_h, mask=m_s,
+                     other=0.0) * LOG2E
+    async_copy.wait_group(0)
+    gl.thread_barrier()
+    b_delta = gl.sum(b_o.to(gl.float32) * do_smem.load(ld).to(gl.float32), 1)
+    gl.store(delta_ptr + t * num_heads + i_h, b_delta, mask=m_q)
+    b_delta = gl.convert_layout(b_delta, gl.SliceLayout(1, mma_nn))
+    zero_nn = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_nn)
     b_dq = warpgroup_mma_init(gl.zeros([BLOCK_M, BLOCK_D], gl.float32, layout=mma_nd))
     for j in range(0, n_steps):
         slot = j % 2

@@ -197,8 +197,7 @@ class TestJax(JaxAdapter, BlocksparseBackwardTests):
 
     def test_tokens_outside_every_sequence_get_zero_gradients(self, monkeypatch):
         """Rows past cu_seqlens[-1] (padding) in q, k and v: their gradients are
-        zeros, the others match the reference (the gradients are not memset:
-        the backward zeroes those rows itself). On the CPU the interpreter's
+        zeros, the others match the reference. On the CPU the interpreter's
         uninitialised buffers are poisoned (NaN) so that a missed row shows."""
         import adapters.jax as aj
         import core_kernels._interpret as interp

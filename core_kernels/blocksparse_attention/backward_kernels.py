@@ -77,44 +77,6 @@ def _bsattn_bwd_colmask_kernel(
 
 
 @triton.jit
-def _zero_range(ptr, start, end, pid, NUM_PROGRAMS: tl.constexpr, BLOCK: tl.constexpr):
-    """Zero elements [start, end) of ptr (int64 offsets), programs striding by BLOCK."""
-    o = tl.arange(0, BLOCK)
-    for off in range(start + pid * BLOCK, end, NUM_PROGRAMS * BLOCK):
-        tl.store(ptr + off + o, tl.full([BLOCK], 0, ptr.dtype.element_ty), mask=off + o < end)
-
-
-@jit
-def _bsattn_bwd_zero_tail_kernel(
-    # input pointers
-    cu_k_ptr, cu_q_ptr,
-    # runtime scalars
-    num_seqs, num_q_tokens, num_k_tokens,
-    # output pointers
-    dq_ptr, dk_ptr, dv_ptr,
-    # constexprs
-    Q_ROW: tl.constexpr, K_ROW: tl.constexpr, DECODE_Q: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Zero the gradient rows outside every sequence: tokens before cu_seqlens[0]
-    and from cu_seqlens[-1] on (Q_ROW / K_ROW elements per token). The other
-    launches write every other row, so the gradients need no memset."""
-    pid = tl.program_id(0)
-    k_lo = tl.load(cu_k_ptr).to(tl.int64) * K_ROW
-    k_hi = tl.load(cu_k_ptr + num_seqs).to(tl.int64) * K_ROW
-    k_end = num_k_tokens.to(tl.int64) * K_ROW
-    _zero_range(dk_ptr, k_lo * 0, k_lo, pid, NUM_PROGRAMS, BLOCK)
-    _zero_range(dk_ptr, k_hi, k_end, pid, NUM_PROGRAMS, BLOCK)
-    _zero_range(dv_ptr, k_lo * 0, k_lo, pid, NUM_PROGRAMS, BLOCK)
-    _zero_range(dv_ptr, k_hi, k_end, pid, NUM_PROGRAMS, BLOCK)
-    if not DECODE_Q:   # decode: one query row per sequence, every row written
-        q_lo = tl.load(cu_q_ptr).to(tl.int64) * Q_ROW
-        q_hi = tl.load(cu_q_ptr + num_seqs).to(tl.int64) * Q_ROW
-        _zero_range(dq_ptr, q_lo * 0, q_lo, pid, NUM_PROGRAMS, BLOCK)
-        _zero_range(dq_ptr, q_hi, num_q_tokens.to(tl.int64) * Q_ROW, pid, NUM_PROGRAMS, BLOCK)
-
-
-@triton.jit
 def _load_query_tile(q_ptr, do_ptr, lse_ptr, delta_ptr, q_rows, i_h, o_d, m_m, m_md,
                      num_heads: tl.constexpr, stride_qt: tl.constexpr, stride_qh: tl.constexpr,
                      stride_dot: tl.constexpr, stride_doh: tl.constexpr):

@@ -4,8 +4,7 @@
   plus each query row's LSE (_bsattn_fwd_lse_kernel; the prefill kernel for any
   batch, decode-only batches included).
 - :func:`plan_blocksparse_attention_backward`: dq, dk, dv from the forward's
-  inputs, output and LSE, in deterministic launches (backward_kernels.py, and
-  gluon_backward.py on sm_90): the rows outside every sequence zeroed,
+  inputs, output and LSE, in three deterministic launches (backward_kernels.py):
   transposed layout, dQ (and delta = rowsum(dO * O)), dK + dV.
 """
 from __future__ import annotations
@@ -15,7 +14,7 @@ from .._plan import (ArrayInfo, Buffer, Launch, Plan, Scalar, cdiv, check_config
                      next_pow2)
 from .._target import Target
 from .backward_kernels import (ROWS_PER_WORD, _bsattn_bwd_colmask_kernel, _bsattn_bwd_dkdv_kernel,
-                               _bsattn_bwd_dq_kernel, _bsattn_bwd_zero_tail_kernel)
+                               _bsattn_bwd_dq_kernel)
 from .kernels import LOG2E
 from .plan import (BlocksparsePrefillConfig, _check_fields, _prefill_config, _prefill_launch,
                    _Problem, _query_tiles, _validate)
@@ -97,18 +96,14 @@ def plan_blocksparse_attention_backward(
     if p.tq and p.hq and tuple(lse.strides) != (p.hq, 1):
         raise ValueError(f"lse: expected a contiguous [Tq, Hq] array, got strides {tuple(lse.strides)}")
     tk = k.shape[0]
-    # NOTE: tokens outside every sequence (before cu_seqlens[0], from cu_seqlens[-1]
-    # on) get zero gradients from _bsattn_bwd_zero_tail_kernel, which reads
-    # cu_seqlens on the device; the other launches write every other row. Before,
-    # the three gradients were zero-filled first (memsets of 201 MB at Phi-3-small
-    # 1x16384 bf16). H200, 2026-11-25: this launch 4 us; forward + backward 5.83 ->
-    # 5.815 / 5.841 ms in two runs (SDPA 14.41 / 14.45 ms: 2.48x / 2.47x).
-    empty = p.empty or tk == 0
-    buffers = {"grad_q": Buffer((p.tq, p.hq, p.d), p.dtype, zero_init=empty),
-               "grad_k": Buffer((tk, p.hkv, p.d), p.dtype, zero_init=empty),
-               "grad_v": Buffer((tk, p.hkv, p.d), p.dtype, zero_init=empty)}
+    # NOTE: the gradients are zero-initialised (one memset each, ~2% of the
+    # backward's traffic at Phi-3-small 16k) so that tokens outside every sequence
+    # (cu_seqlens[-1] < T) get defined zeros without reading cu_seqlens on the host.
+    buffers = {"grad_q": Buffer((p.tq, p.hq, p.d), p.dtype, zero_init=True),
+               "grad_k": Buffer((tk, p.hkv, p.d), p.dtype, zero_init=True),
+               "grad_v": Buffer((tk, p.hkv, p.d), p.dtype, zero_init=True)}
     results = ("grad_q", "grad_k", "grad_v")
-    if empty:
+    if p.empty or tk == 0:
         return Plan(buffers, (), results)
     if config is not None:
         _check_backward_fields(config, p)
@@ -119,7 +114,7 @@ def plan_blocksparse_attention_backward(
     words = cdiv(p.nb, ROWS_PER_WORD.value)
     buffers["colmask"] = Buffer((layout_heads, p.nb, words), "int32", zero_init=True)
     buffers["delta"] = Buffer((p.tq, p.hq), "float32")
-    launches = (_zero_tail_launch(p, tk), _colmask_launch(p, layout_heads, words), _dq_launch(p, config, output, grad_output, gluon_dq),
+    launches = (_colmask_launch(p, layout_heads, words), _dq_launch(p, config, output, grad_output, gluon_dq),
                 _dkdv_launch(p, config, grad_output, tk, words, layout_heads, gluon_dkdv))
     return Plan(buffers, launches, results)
 
@@ -170,22 +165,6 @@ def _common(p: _Problem) -> dict:
 
 def _cu_q(p: _Problem) -> str:
     return "cu_seqlens_q" if p.has_cu_q else "cu_seqlens_k"   # decode-only: never read
-
-
-ZERO_TAIL_PROGRAMS = 132   # programs striding over the rows outside every sequence
-ZERO_TAIL_BLOCK = 2048
-
-
-def _zero_tail_launch(p: _Problem, tk: int) -> Launch:
-    return Launch(
-        kernel=_bsattn_bwd_zero_tail_kernel, grid=(ZERO_TAIL_PROGRAMS,),
-        params=dict(cu_k_ptr="cu_seqlens_k", cu_q_ptr=_cu_q(p), num_seqs=Scalar(p.b),
-                    num_q_tokens=Scalar(p.tq), num_k_tokens=Scalar(tk), dq_ptr="grad_q", dk_ptr="grad_k",
-                    dv_ptr="grad_v"),
-        writes=("dq_ptr", "dk_ptr", "dv_ptr"),
-        constexprs=dict(Q_ROW=p.hq * p.d, K_ROW=p.hkv * p.d, DECODE_Q=p.decode_only,
-                        NUM_PROGRAMS=ZERO_TAIL_PROGRAMS, BLOCK=ZERO_TAIL_BLOCK),
-        num_warps=4, num_stages=1)
 
 
 def _colmask_launch(p: _Problem, layout_heads: int, words: int) -> Launch:

@@ -277,3 +277,33 @@ def test_gpu_backward_kernel_forms(dtype, gluon):
     config = BlocksparseBackwardConfig(64, 64, 4, 4, 2, gluon, gluon)
     got = aj.blocksparse_flash_attn_varlen_backward(*args, out, lse, to_jax(c["go"]), *idx, **opts, config=config)
     check_grads([np.asarray(x) for x in got], reference(c, 0.1), dtype)
+
+
+def test_h200_backward_plans_and_config_errors():
+    """The backward plans made for the H200 here (no kernels run): the Gluon dQ and
+    dK/dV kernels in their scope (bf16/fp16, D 128, 64-token blocks), the Triton
+    ones outside it or when the config asks; bad configs named before any launch."""
+    from core_kernels._plan import ArrayInfo
+    from core_kernels._target import Target
+    from core_kernels.blocksparse_attention import BlocksparseBackwardConfig, plan_blocksparse_attention_backward
+    h200 = Target("cuda", 90, 132, gluon=True)
+
+    def plan(dtype, config=None, d=128):
+        q, k = ArrayInfo.contiguous((4096, 32, d), dtype), ArrayInfo.contiguous((4096, 8, d), dtype)
+        cu = ArrayInfo.contiguous((2,), "int32")
+        crow, col = ArrayInfo.contiguous((32, 65), "int32"), ArrayInfo.contiguous((32, 600), "int32")
+        lse = ArrayInfo.contiguous((4096, 32), "float32")
+        p = plan_blocksparse_attention_backward(h200, q, k, k, q, lse, q, cu, cu, crow, col, block_size=64,
+                                                max_seqlen=4096, config=config)
+        return [launch.kernel.fn.__name__ for launch in p.launches]
+
+    gluon = ["_bsattn_bwd_colmask_kernel", "_bsattn_bwd_dq_gluon_kernel", "_bsattn_bwd_dkdv_gluon_kernel"]
+    triton = ["_bsattn_bwd_colmask_kernel", "_bsattn_bwd_dq_kernel", "_bsattn_bwd_dkdv_kernel"]
+    assert plan("bfloat16") == gluon and plan("float16") == gluon
+    assert plan("float32") == triton and plan("bfloat16", d=64) == triton
+    assert plan("bfloat16", BlocksparseBackwardConfig(dkdv_gluon=False, dq_gluon=False)) == triton
+    assert plan("bfloat16", BlocksparseBackwardConfig(dq_warps=8)) == [triton[0], triton[1], gluon[2]]
+    for bad, field in ((BlocksparseBackwardConfig(dkdv_gluon=1), "dkdv_gluon"),
+                       (BlocksparseBackwardConfig(block_m=48), "block_m")):
+        with pytest.raises(ValueError, match=field):
+            plan("bfloat16", bad)

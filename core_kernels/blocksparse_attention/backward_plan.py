@@ -4,8 +4,9 @@
   plus each query row's LSE (_bsattn_fwd_lse_kernel; the prefill kernel for any
   batch, decode-only batches included).
 - :func:`plan_blocksparse_attention_backward`: dq, dk, dv from the forward's
-  inputs, output and LSE, in three deterministic launches (backward_kernels.py):
-  transposed layout, dQ (and delta = rowsum(dO * O)), dK + dV.
+  inputs, output and LSE, in three deterministic launches (backward_kernels.py;
+  the dQ and dK/dV kernels from gluon_backward.py where they apply, see
+  _gluon_applies): transposed layout, dQ (and delta = rowsum(dO * O)), dK + dV.
 """
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ NO_DECODE_CONFIG = ("config: a call that needs a gradient runs the prefill kerne
 class BlocksparseBackwardConfig:
     """The backward's tiles: query tiles of ``block_m`` rows and key tiles of
     ``block_n`` keys (powers of two >= 16 dividing block_size), for both the dQ
-    kernel and the dK/dV kernel, with their warps and pipeline stages."""
+    kernel and the dK/dV kernel, with their warps and pipeline stages (the
+    Triton kernels'); ``dkdv_gluon`` / ``dq_gluon``: whether those two kernels
+    run in Gluon where that applies (gluon_backward.py)."""
     block_m: int = 64
     block_n: int = 64
     dq_warps: int = 4
@@ -135,6 +138,8 @@ def _check_backward_fields(config: BlocksparseBackwardConfig, p: _Problem) -> No
             raise ValueError(f"config: warps must be a power of two <= 16, got {config}")
     if config.num_stages < 1:
         raise ValueError(f"config: num_stages must be >= 1, got {config.num_stages}")
+    if not (isinstance(config.dkdv_gluon, bool) and isinstance(config.dq_gluon, bool)):
+        raise ValueError(f"config: dkdv_gluon and dq_gluon must be bools, got {config}")
 
 
 def _backward_config(target: Target, p: _Problem) -> BlocksparseBackwardConfig:

@@ -24,7 +24,8 @@ range to 0). Scope (the planner checks it): GPU sm_90, bf16 or fp16, head size
 NOTE: measured on the H200 (Phi-3-small 1x16384 bf16, bench_blocksparse_backward.py,
 2026-11-25): the dK/dV kernel alone 2.62 ms against the Triton kernel's 3.04, the dQ
 kernel 1.52 against 1.72; forward + backward 5.46-5.50 ms (dense causal SDPA 14.27
-ms: 2.59-2.61x). On the way there (same day): the dK/dV kernel walking each query
+ms: 2.59-2.61x) without the gradients' memsets, 5.59 ms with them (SDPA 14.41 ms:
+2.58x; RESULTS.md). On the way there (same day): the dK/dV kernel walking each query
 head of the group as its own pipeline (a load drain per head) took 2.84-2.93 ms
 (its spills 148 bytes, now 76: fewer values live across the head loop), and the dQ
 kernel loading Q, dO and O into registers before its first K/V block 1.55 ms. Measured and not kept (same day): the

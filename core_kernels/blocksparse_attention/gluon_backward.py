@@ -28,8 +28,8 @@ ms: 2.59-2.61x) without the gradients' memsets, 5.59 ms with them (SDPA 14.41 ms
 2.58x; RESULTS.md). On the way there (same day): the dK/dV kernel walking each query
 head of the group as its own pipeline (a load drain per head) took 2.84-2.93 ms
 (its spills 148 bytes, now 76: fewer values live across the head loop), and the dQ
-kernel loading Q, dO and O into registers before its first K/V block 1.55 ms. Measured and not kept (same day): the
-first form, LSE and delta read with plain loads at each step and a causal and bounds
+kernel loading Q, dO and O into registers before its first K/V block 1.55 ms.
+Measured and not kept (same day): the first form, LSE and delta read with plain loads at each step and a causal and bounds
 mask on every step, 3.34 ms; a software-pipelined loop (each step issuing the next
 step's S^T and dP^T behind its own dV and dK) 5.10 ms for the backward launches
 against 5.00 for this form: ptxas serializes its wgmmas (C7514, accumulators in
@@ -40,6 +40,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
                                                              warpgroup_mma_init, warpgroup_mma_wait)
 
+from .._gluon_utils import exp2_ftz as _exp2_ftz
 from .._triton_utils import jit
 
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -60,13 +61,6 @@ def _pick(sel, x):
 def _popc(x):
     return gl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=True,
                                      pack=1)
-
-
-@gluon.jit
-def _exp2_ftz(x):
-    """2^x as one MUFU.EX2 (results below fp32's normal range flush to 0)."""
-    return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32,
-                                     is_pure=True, pack=1)
 
 
 @gluon.constexpr_function

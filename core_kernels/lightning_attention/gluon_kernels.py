@@ -27,6 +27,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
                                                              warpgroup_mma, warpgroup_mma_wait)
 
+from .._gluon_utils import exp2_ftz as _exp2_ftz
 from .._triton_utils import jit  # the integer policy; strides arrive divided by ALIGN
 
 
@@ -206,15 +207,6 @@ def _chain(b_s, b_l, s, ticket, per_seg, seg, num_segments, seg_tokens, sync_ptr
 def _signed(stride, reverse):
     """A token stride as the kernel walks it: negated when REVERSE."""
     return -stride if reverse else stride
-
-
-@gluon.jit
-def _exp2_ftz(x):
-    """2^x as one MUFU.EX2 (ex2.approx.ftz): results below fp32's normal range are
-    flushed to 0. gl.exp2 / gl.exp compile to the non-ftz form, which ptxas
-    wraps in a range check and two rescaling multiplies (6 instructions)."""
-    return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=gl.float32,
-                                     is_pure=True, pack=1)
 
 
 @gluon.jit

@@ -1,5 +1,8 @@
 """merge_attn_states on the GPU: our kernel (torch and JAX) vs the same math
-compiled by torch.compile and by XLA (jnp under jax.jit).
+compiled by torch.compile and by XLA (jnp under jax.jit), and vs vLLM's Triton
+kernel (the one this op is modelled on) where its file is present in .peer/
+(git-ignored, never imported by the package: ``vllm_merge.py`` holding vLLM's
+``merge_attn_states``; without it those columns stay empty).
 
 Bytes moved = 3·N·H·D·itemsize + 3·N·H·4; percent of the device-to-device copy
 bandwidth measured in the same run. JAX is timed by pipelined dispatch (see
@@ -8,6 +11,8 @@ timing.py), torch both ways; the JAX/torch ratio compares like with like.
 from __future__ import annotations
 
 import gc
+import importlib.util
+from pathlib import Path
 
 import numpy as np
 
@@ -15,8 +20,20 @@ from benchmarks import timing
 from benchmarks.registry import merge_shapes
 
 COLUMNS = ["name", "torch_us", "plain_triton_us", "torch_with_ctx_us", "TB/s", "%copy", "jax_us", "torch_pipe_us", "jax/torch",
-           "compile_us", "jnp_us", "vs_compile", "vs_jnp"]
+           "compile_us", "jnp_us", "vllm_us", "vs_compile", "vs_jnp", "vs_vllm"]
 ROTATE = 4  # input sets cycled so repeated calls never hit in L2
+VLLM_FILE = Path(__file__).resolve().parent.parent / ".peer" / "vllm_merge.py"
+
+
+def vllm_merge():
+    """vLLM's merge_attn_states(output, prefix_output, prefix_lse, suffix_output,
+    suffix_lse, output_lse) from VLLM_FILE, or None when the file is absent."""
+    if not VLLM_FILE.exists():
+        return None
+    spec = importlib.util.spec_from_file_location("peer_vllm_merge", VLLM_FILE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.merge_attn_states
 
 
 def _torch_math(po, pl, so, sl):
@@ -126,6 +143,7 @@ def run():
     compiled = torch.compile(_torch_math, dynamic=False)
     jnp_jit = jax.jit(_jnp_math)
     ours_jit = jax.jit(aj.merge_attn_states)
+    peer = vllm_merge()
     for case in merge_shapes():
         n, h, d, dtype = case["n"], case["h"], case["d"], case["dtype"]
         itemsize = 4 if dtype == "float32" else 2
@@ -151,7 +169,16 @@ def run():
             t_c = timing.kernel_time_torch(lambda: compiled(*sets[0]))
             t_j = timing.pipelined_time([lambda s=s: jnp_jit(*s) for s in jsets], "jax")
             row.update(compile_us=t_c * 1e6, jnp_us=t_j * 1e6, vs_compile=t_c / t_torch,
-                       vs_jnp=t_j / min(t_jax, t_torch_pipe))
+                       vs_jnp=t_j / min(t_jax, t_torch_pipe), baseline="torch.compile",
+                       baseline_us=t_c * 1e6)
+        if peer is not None:
+            # the modelled kernel, GPU time the same way (its output checked against ours)
+            v_out, v_lse = torch.empty_like(outs[0][0]), torch.empty_like(outs[0][1])
+            t_v = timing.kernel_time_torch(lambda: peer(v_out, *sets[0], output_lse=v_lse))
+            close = bool(torch.allclose(v_out.float(), outs[0][0].float(), atol=2e-2, rtol=2e-2))
+            row.update(vllm_us=t_v * 1e6, vs_vllm=t_v / t_torch, vllm_close=close)
+            if n < 4096:
+                row.update(baseline="vLLM merge_attn_states kernel", baseline_us=t_v * 1e6)
         rows.append(row)
         del sets, outs, jsets, calls
         gc.collect()

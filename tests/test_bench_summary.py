@@ -118,14 +118,22 @@ def test_merge_attn_states():
                  plain_triton_us=20.7, jax_us=33.1),
             dict(name="llama8b-N1-bfloat16", n=1, h=32, d=128, dtype="bfloat16", torch_us=6.08,
                  **{"TB/s": 0.0041, "%copy": 0.1}, jax_us=31.8, bitwise=True),
+            dict(name="llama8b-N64-bfloat16", n=64, h=32, d=128, dtype="bfloat16", torch_us=5.9,
+                 **{"TB/s": 0.27, "%copy": 6.4}, jax_us=31.0, vllm_us=6.3, vs_vllm=6.3 / 5.9,
+                 baseline="vLLM merge_attn_states kernel", baseline_us=6.3),
             dict(name="llama8b-N16384-float32", n=16384, h=32, d=128, dtype="float32", torch_us=195.1,
                  **{"TB/s": 4.16, "%copy": 97.9}, jax_us=190.0, compile_us=205.1,
-                 jnp_us=220.0, vs_compile=205.1 / 195.1, vs_jnp=1.15)]
+                 jnp_us=220.0, vs_compile=205.1 / 195.1, vs_jnp=1.15, vllm_us=690.0,
+                 baseline="torch.compile", baseline_us=205.1)]
     s = by_case(summary_rows("merge_attn_states", rows))
-    assert list(s) == ["sweep-float16-tile2048-w2", "llama8b-N1-bfloat16", "llama8b-N16384-float32"]
+    assert list(s) == ["sweep-float16-tile2048-w2", "llama8b-N1-bfloat16", "llama8b-N64-bfloat16",
+                       "llama8b-N16384-float32"]
     check(s["sweep-float16-tile2048-w2"], dtype="float16", time_us=112.5, metric="TB/s", value=3.635,
           baseline=None, baseline_us=None, ratio=None)
     check(s["llama8b-N1-bfloat16"], dtype="bfloat16", time_us=6.08, value=0.0041, baseline=None)
+    # below 4096 tokens the row's baseline is vLLM's kernel, from 4096 torch.compile
+    check(s["llama8b-N64-bfloat16"], dtype="bfloat16", time_us=5.9, value=0.27,
+          baseline="vLLM merge_attn_states kernel", baseline_us=6.3, ratio=6.3 / 5.9)
     check(s["llama8b-N16384-float32"], dtype="float32", time_us=195.1, value=4.16,
           baseline="torch.compile", baseline_us=205.1, ratio=205.1 / 195.1)
 

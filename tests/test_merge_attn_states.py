@@ -126,11 +126,14 @@ class MergeTests:
             assert_bitwise_equal(out8, self.framework_fp8(out32, scale),
                                  "fp8 output vs framework clamp-then-cast")
 
-    @pytest.mark.parametrize("config", [MergeConfig(256, 1), MergeConfig(4096, 8)],
-                             ids=["tile256-w1", "tile4096-w8"])
-    def test_config_override(self, config):
-        """Any tiling gives the same bits as the measured default."""
-        po, pl, so, sl = make_inputs(37, 3, 72, "float32")
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    @pytest.mark.parametrize("config", [MergeConfig(256, 1), MergeConfig(2048, 2),
+                                        MergeConfig(4096, 8)],
+                             ids=["tile256-w1", "tile2048-w2", "tile4096-w8"])
+    def test_config_override(self, config, dtype):
+        """Any tiling gives the same bits as the measured default (for 16-bit inputs
+        of this size the small-merge tiling, the others the large merges')."""
+        po, pl, so, sl = make_inputs(37, 3, 72, dtype)
         default = self.merge(po, pl, so, sl, ptwc=20)
         forced = self.merge(po, pl, so, sl, ptwc=20, config=config)
         assert_bitwise_equal(forced[0], default[0], "output")
@@ -474,3 +477,22 @@ class TestMaskJax(JaxAdapter, MaskEmptyContextTests):
         out = f(*map(to_jax, (lse, qs, cs)))
         ref = mask_empty_context_lse_reference(lse, qs, cs).astype(np.float32)
         assert_bitwise_equal(jax_to_numpy(out), ref, "jitted, donated")
+
+
+@pytest.mark.parametrize("n, h, d, dtype, small", [
+    (64, 32, 128, "bfloat16", True), (64, 64, 128, "float16", True), (1, 128, 512, "bfloat16", True),
+    (65, 64, 128, "bfloat16", False), (4096, 32, 128, "bfloat16", False),
+    (64, 32, 128, "float32", False)])
+def test_small_merges_get_small_tiles(n, h, d, dtype, small):
+    """The planner's measured rule (plan.py NOTE): 16-bit merges of at most 2^19
+    elements (N x H x padded D) run 256-element tiles with one warp; larger ones
+    and fp32 keep the large tiles."""
+    from core_kernels._plan import ArrayInfo, next_pow2
+    from core_kernels._target import Target
+    from core_kernels.merge_attn_states.plan import CONFIGS, SMALL_CONFIG
+    o, lse = ArrayInfo.contiguous((n, h, d), dtype), ArrayInfo.contiguous((h, n), "float32")
+    (launch,) = plan_merge_attn_states(Target("cuda", 90, 132), o, lse, o, lse).launches
+    want = SMALL_CONFIG if small else CONFIGS[4 if dtype == "float32" else 2]
+    assert launch.num_warps == want.num_warps
+    assert launch.constexprs["BLOCK_R"] == max(1, min(want.tile_elems // max(16, d), next_pow2(n * h)))
+    assert launch.grid == (-(-n * h // launch.constexprs["BLOCK_R"]),)

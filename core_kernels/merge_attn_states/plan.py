@@ -29,6 +29,25 @@ class MergeConfig:
 # loads use the default policy. A persistent grid-stride loop (grid capped at
 # 8x or 16x the SM count) was no faster for bf16 and is not used.
 CONFIGS = {2: MergeConfig(2048, 2), 4: MergeConfig(2048, 8)}
+# NOTE: a small merge is latency-bound: at N = 64 (32 or 64 heads x 128) the
+# 2048-element tiles give 128-256 programs, each waiting on its LSE loads and
+# then on 32 values per thread. 256-element tiles with one warp (one 16-byte
+# vector per thread and tensor, 1024-2048 programs) measured on the H200
+# (2026-11-25, benchmarks/experiments/exp_frontier_bounds.py, GPU time per call,
+# cold L2): N=64 x 32 heads bf16 5.7 vs 7.2 us (vLLM's kernel 6.7), fp16 5.7 vs
+# 6.5 (vLLM 6.0); x 64 heads bf16 6.3 vs 7.6 (vLLM 8.4), fp16 6.4 vs 7.6 (vLLM
+# 7.8); N=1 4.7-5.6 vs 5.8-6.4. At N=512 (2M elements) and above the 2048 tiles
+# are as fast or faster (N=4096 x 32: 256/1w 45.5 vs 34.4 us). fp32 keeps its
+# tiles (not measured small).
+SMALL_ELEMS = 1 << 19   # N * H * padded D at or below which 16-bit merges use SMALL_CONFIG
+SMALL_CONFIG = MergeConfig(256, 1)
+
+
+def default_config(rows: int, block_d: int, itemsize: int) -> MergeConfig:
+    """The measured tiling for ``rows`` (token, head) rows of ``block_d`` padded channels."""
+    if itemsize == 2 and rows * block_d <= SMALL_ELEMS:
+        return SMALL_CONFIG
+    return CONFIGS[itemsize]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +102,8 @@ def plan_merge_attn_states(
         check_scalar_array("prefill_tokens_with_context", prefill_tokens_with_context, INT_DTYPES)
     if problem.n == 0 or problem.h == 0:
         return Plan(problem.buffers, (), problem.results)
-    config = config or CONFIGS[ITEMSIZE[problem.in_dtype]]
+    config = config or default_config(problem.n * problem.h, max(16, next_pow2(problem.d)),
+                                      ITEMSIZE[problem.in_dtype])
     return Plan(problem.buffers, (_launch(problem, config, prefix_output, prefix_lse, suffix_output,
                                           suffix_lse, num_ctx, output_scale is not None),),
                 problem.results)

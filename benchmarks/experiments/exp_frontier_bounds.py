@@ -1,6 +1,6 @@
 """What bounds the block-sparse prefill, and the small merge's latency (GPU only).
 
-    python -m benchmarks.experiments.exp_frontier_bounds [--out DIR] [--only probe,l2,merge]
+    python -m benchmarks.experiments.exp_frontier_bounds [--out DIR] [--only probe,l2,merge,merge_repeat]
 
 ``probe``: the block-sparse prefill at 1x16384, Phi-3-small bf16, by a probe
 kernel that walks exactly the production schedule (heaviest row tiles first,
@@ -18,7 +18,8 @@ buffer that fits in L2 (and, for comparison, of one that does not), many times.
 check): vLLM's kernel (``.peer/vllm_merge.py``, see bench_merge_attn_states),
 our kernel and the previous kernel (``.peer/old_merge_kernels.py``: the values'
 loads masked by the LSEs) at tile / warp variants, GPU time per call (do_bench,
-cold L2) and per call inside a CUDA graph.
+cold L2) and per call inside a CUDA graph. ``merge_repeat``: N = 64, vLLM's
+kernel and ours timed in alternation, many times (the spread between runs).
 """
 from __future__ import annotations
 
@@ -237,6 +238,36 @@ def merge():
     return rows
 
 
+def merge_repeat(trials: int = 15):
+    """N = 64 merges, vLLM's kernel and ours (the planner's default) timed in
+    alternation ``trials`` times: the spread of a ~6 us GPU time between runs."""
+    import statistics
+
+    import torch
+    import adapters.torch as at
+    from benchmarks.timing import kernel_time_torch
+    peer = _load("peer_vllm_merge", PEER / "vllm_merge.py").merge_attn_states
+    rows = []
+    for h in (32, 64):
+        for dt in ("bfloat16", "float16"):
+            tdt = getattr(torch, dt)
+            po, so = (torch.randn(64, h, 128, device="cuda", dtype=tdt) for _ in range(2))
+            pl, sl = (torch.randn(h, 64, device="cuda") * 3 for _ in range(2))
+            out, lse = torch.empty_like(po), torch.empty_like(pl)
+            ours, theirs = [], []
+            for _ in range(trials):
+                theirs.append(kernel_time_torch(lambda: peer(out, po, pl, so, sl, output_lse=lse)) * 1e6)
+                ours.append(kernel_time_torch(lambda: at.merge_attn_states(out, po, pl, so, sl, lse)) * 1e6)
+            ratio = [t / o for t, o in zip(theirs, ours)]
+            rows.append(dict(what="merge-repeat", n=64, h=h, d=128, dtype=dt, trials=trials,
+                             ours_median_us=statistics.median(ours), vllm_median_us=statistics.median(theirs),
+                             ours_range_us=[min(ours), max(ours)], vllm_range_us=[min(theirs), max(theirs)],
+                             vllm_over_ours_median=statistics.median(ratio),
+                             trials_ours_faster=sum(r > 1 for r in ratio)))
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -244,7 +275,7 @@ def main():
     a = ap.parse_args()
     rows = []
     for part in a.only.split(","):
-        rows += {"probe": probe, "l2": l2, "merge": merge}[part]()
+        rows += {"probe": probe, "l2": l2, "merge": merge, "merge_repeat": merge_repeat}[part]()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "exp_frontier_bounds.json").write_text(json.dumps(rows, indent=1))
 

@@ -238,15 +238,18 @@ def merge():
     return rows
 
 
-def merge_repeat(trials: int = 15):
-    """N = 64 merges, vLLM's kernel and ours (the planner's default) timed in
-    alternation ``trials`` times: the spread of a ~6 us GPU time between runs."""
+def merge_repeat(trials: int = 15, variants=((128, 1), (256, 2), (512, 2), (512, 4))):
+    """N = 64 merges, vLLM's kernel and ours (the planner's default, then the
+    tilings ``variants``) timed in alternation ``trials`` times: the spread of a
+    ~6 us GPU time between runs."""
     import statistics
 
     import torch
     import adapters.torch as at
     from benchmarks.timing import kernel_time_torch
+    from core_kernels.merge_attn_states import MergeConfig
     peer = _load("peer_vllm_merge", PEER / "vllm_merge.py").merge_attn_states
+    configs = [None] + [MergeConfig(t, w) for t, w in variants]
     rows = []
     for h in (32, 64):
         for dt in ("bfloat16", "float16"):
@@ -254,17 +257,22 @@ def merge_repeat(trials: int = 15):
             po, so = (torch.randn(64, h, 128, device="cuda", dtype=tdt) for _ in range(2))
             pl, sl = (torch.randn(h, 64, device="cuda") * 3 for _ in range(2))
             out, lse = torch.empty_like(po), torch.empty_like(pl)
-            ours, theirs = [], []
-            for _ in range(trials):
-                theirs.append(kernel_time_torch(lambda: peer(out, po, pl, so, sl, output_lse=lse)) * 1e6)
-                ours.append(kernel_time_torch(lambda: at.merge_attn_states(out, po, pl, so, sl, lse)) * 1e6)
-            ratio = [t / o for t, o in zip(theirs, ours)]
-            rows.append(dict(what="merge-repeat", n=64, h=h, d=128, dtype=dt, trials=trials,
-                             ours_median_us=statistics.median(ours), vllm_median_us=statistics.median(theirs),
-                             ours_range_us=[min(ours), max(ours)], vllm_range_us=[min(theirs), max(theirs)],
-                             vllm_over_ours_median=statistics.median(ratio),
-                             trials_ours_faster=sum(r > 1 for r in ratio)))
-            print(rows[-1], flush=True)
+            for cfg in configs:
+                ours, theirs = [], []
+                for _ in range(trials):
+                    theirs.append(kernel_time_torch(lambda: peer(out, po, pl, so, sl, output_lse=lse)) * 1e6)
+                    ours.append(kernel_time_torch(lambda: at.merge_attn_states(
+                        out, po, pl, so, sl, lse, config=cfg)) * 1e6)
+                ratio = [t / o for t, o in zip(theirs, ours)]
+                rows.append(dict(what="merge-repeat", n=64, h=h, d=128, dtype=dt, trials=trials,
+                                 config=None if cfg is None else dataclasses.astuple(cfg),
+                                 ours_median_us=statistics.median(ours),
+                                 vllm_median_us=statistics.median(theirs),
+                                 ours_range_us=[min(ours), max(ours)],
+                                 vllm_range_us=[min(theirs), max(theirs)],
+                                 vllm_over_ours_median=statistics.median(ratio),
+                                 trials_ours_faster=sum(r > 1 for r in ratio)))
+                print(rows[-1], flush=True)
     return rows
 
 

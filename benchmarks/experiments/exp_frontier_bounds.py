@@ -1,6 +1,6 @@
 """What bounds the block-sparse prefill, and the small merge's latency (GPU only).
 
-    python -m benchmarks.experiments.exp_frontier_bounds [--out DIR] [--only probe,l2,merge,merge_repeat]
+    python -m benchmarks.experiments.exp_frontier_bounds [--out DIR] [--only probe,l2,merge,merge_repeat,bsfwd]
 
 ``probe``: the block-sparse prefill at 1x16384, Phi-3-small bf16, by a probe
 kernel that walks exactly the production schedule (heaviest row tiles first,
@@ -20,6 +20,8 @@ our kernel and the previous kernel (``.peer/old_merge_kernels.py``: the values'
 loads masked by the LSEs) at tile / warp variants, GPU time per call (do_bench,
 cold L2) and per call inside a CUDA graph. ``merge_repeat``: N = 64, vLLM's
 kernel and ours timed in alternation, many times (the spread between runs).
+``bsfwd``: the block-sparse prefill forward against the previous kernel
+(``.peer/old_bs_kernels.py``, 28da7fc's kernels.py with absolute imports).
 """
 from __future__ import annotations
 
@@ -276,6 +278,51 @@ def merge_repeat(trials: int = 15, variants=((128, 1), (256, 2), (512, 2), (512,
     return rows
 
 
+def bsfwd(trials: int = 5):
+    """The block-sparse prefill forward against the previous kernel
+    (``.peer/old_bs_kernels.py``) on the same plan, alternating, Phi-3-small bf16:
+    GPU time per call (cold L2) and bitwise equality of the outputs."""
+    import statistics
+
+    import torch
+    from adapters.torch._executor import info, run_plan, target_for
+    from benchmarks.registry import BLOCKSPARSE_MODEL
+    from benchmarks.timing import kernel_time_torch
+    from core_kernels._plan import Plan
+    from core_kernels.blocksparse_attention import build_sparse_layout, plan_blocksparse_attention
+    old = _load("old_bs_kernels", PEER / "old_bs_kernels.py")
+    m = BLOCKSPARSE_MODEL
+    hq, hkv, d, bs = m["hq"], m["hkv"], m["d"], m["block_size"]
+    rows = []
+    for lens in ([16384], [4096] * 4):
+        n = max(lens)
+        (crow_np, col_np), _ = build_sparse_layout(hq, n, bs, m["local_blocks"], m["vert_stride"],
+                                                   m["homo_head"])
+        crow, col = torch.from_numpy(crow_np.copy()).cuda(), torch.from_numpy(col_np.copy()).cuda()
+        t = sum(lens)
+        q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(t, hkv, d, device="cuda", dtype=torch.bfloat16)
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
+        new = plan_blocksparse_attention(target_for(q.device), info(q), info(k), info(v), info(cu),
+                                         None, info(crow), info(col), block_size=bs, max_seqlen=n)
+        prev = Plan(new.buffers, tuple(dataclasses.replace(
+            la, kernel=getattr(old, la.kernel.fn.__name__)) for la in new.launches), new.results)
+        tensors = dict(q=q, k=k, v=v, cu_seqlens_k=cu, cu_seqlens_q=None, crow=crow, col=col)
+        outs = {}
+        times = {"new": [], "old": []}
+        for _ in range(trials):
+            for name, plan in (("old", prev), ("new", new)):
+                times[name].append(kernel_time_torch(lambda p=plan: run_plan(p, tensors, None, q.device)) * 1e6)
+                outs[name] = run_plan(plan, tensors, None, q.device)["output"].clone()
+        row = dict(what="bsfwd", lens=f"{len(lens)}x{n}", new_us=statistics.median(times["new"]),
+                   old_us=statistics.median(times["old"]), new_all=times["new"], old_all=times["old"],
+                   bitwise=bool(torch.equal(outs["new"], outs["old"])))
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -283,7 +330,8 @@ def main():
     a = ap.parse_args()
     rows = []
     for part in a.only.split(","):
-        rows += {"probe": probe, "l2": l2, "merge": merge, "merge_repeat": merge_repeat}[part]()
+        rows += {"probe": probe, "l2": l2, "merge": merge, "merge_repeat": merge_repeat,
+                 "bsfwd": bsfwd}[part]()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "exp_frontier_bounds.json").write_text(json.dumps(rows, indent=1))
 

@@ -332,15 +332,22 @@ def _bsattn_fwd_program(
         start = tl.load(p_crow + qb)
         end = tl.load(p_crow + qb + 1)
         n_below = _count_below(p_col, start, end, qb, CNT_CHUNK)
-        # the row's columns held in registers: a step's K/V loads then depend on
-        # the loop index alone (not on a load in the loop), so they are pipelined
-        # (backward_kernels.py's dQ kernel: the same change). NOTE: H200, Phi-3-small
-        # bf16, 2026-11-24: 1x16384 1393 -> 1304 us (359 -> 384 TFLOP/s over the
-        # allowed blocks), 4x4096 768 us (356 TFLOP/s)
-        o_c = tl.arange(0, NNZ_P2)
-        cols = tl.load(p_col + start + o_c, mask=o_c < end - start, other=0)
+        # each step's column is loaded one step ahead into a loop-carried scalar:
+        # a step's K/V loads then depend on the loop index and that scalar, not on
+        # a load in the same step, so they are pipelined. NOTE: H200, Phi-3-small
+        # bf16, 2026-11-24: with the column loaded in the step (not pipelined:
+        # the cp.async ring drained every step) 1x16384 took 1393 us; with the
+        # row's columns held in a register vector and each step's picked out by a
+        # masked sum 1304 us (backward_kernels.py's dQ kernel still does that).
+        # The sum spans the CTA's four warps: shuffles, a shared-memory exchange
+        # and two barriers per step (sm_90 SASS). The loop-carried scalar drops
+        # one barrier and the exchange, with the same bits: 2026-11-25, five
+        # alternating runs, medians 1295 vs 1329 us at 1x16384 and 774 vs 783 us
+        # at 4x4096 (within the runs' spread: 1220-1474 us for the old form).
+        c_next = tl.load(p_col + start, mask=n_below > 0, other=0)
         for j in tl.range(0, n_below * SUB):
-            c = _sum(tl.where(o_c == j // SUB, cols, 0), 0)
+            c = c_next
+            c_next = tl.load(p_col + start + (j + 1) // SUB, mask=j + 1 < n_below * SUB, other=0)
             kstart = (c * BLOCK_SIZE + (j % SUB) * BLOCK_N).to(tl.int64)
             acc, m_i, l_i = _attend_block(
                 acc, m_i, l_i, b_q, k_base + kstart * stride_kt + k_offs,

@@ -1,6 +1,6 @@
 """What bounds the block-sparse prefill, and the small merge's latency (GPU only).
 
-    python -m benchmarks.experiments.exp_frontier_bounds [--out DIR] [--only probe,l2,merge,merge_repeat,bsfwd]
+    python -m benchmarks.experiments.exp_frontier_bounds [--out DIR] [--only probe,l2,merge,merge_repeat,bsfwd,copy]
 
 ``probe``: the block-sparse prefill at 1x16384, Phi-3-small bf16, by a probe
 kernel that walks exactly the production schedule (heaviest row tiles first,
@@ -21,7 +21,9 @@ loads masked by the LSEs) at tile / warp variants, GPU time per call (do_bench,
 cold L2) and per call inside a CUDA graph. ``merge_repeat``: N = 64, vLLM's
 kernel and ours timed in alternation, many times (the spread between runs).
 ``bsfwd``: the block-sparse prefill forward against the previous kernel
-(``.peer/old_bs_kernels.py``, 28da7fc's kernels.py with absolute imports).
+(``.peer/old_bs_kernels.py``, 28da7fc's kernels.py with absolute imports) and
+the Triton dQ kernel alone against 28da7fc's (``.peer/old_bs_backward_kernels.py``).
+``copy``: the copy rate at a merge's byte count and at 2 GiB.
 """
 from __future__ import annotations
 
@@ -289,7 +291,10 @@ def bsfwd(trials: int = 5):
     from benchmarks.registry import BLOCKSPARSE_MODEL
     from benchmarks.timing import kernel_time_torch
     from core_kernels._plan import Plan
-    from core_kernels.blocksparse_attention import build_sparse_layout, plan_blocksparse_attention
+    from core_kernels.blocksparse_attention import (BlocksparseBackwardConfig, build_sparse_layout,
+                                                    plan_blocksparse_attention,
+                                                    plan_blocksparse_attention_backward,
+                                                    plan_blocksparse_attention_lse)
     old = _load("old_bs_kernels", PEER / "old_bs_kernels.py")
     m = BLOCKSPARSE_MODEL
     hq, hkv, d, bs = m["hq"], m["hkv"], m["d"], m["block_size"]
@@ -320,6 +325,60 @@ def bsfwd(trials: int = 5):
                    bitwise=bool(torch.equal(outs["new"], outs["old"])))
         rows.append(row)
         print(row, flush=True)
+        if len(lens) > 1:
+            continue
+        # the Triton dQ kernel (dq_gluon=False), alone, against 28da7fc's
+        oldb = _load("old_bs_backward_kernels", PEER / "old_bs_backward_kernels.py")
+        scale = d ** -0.5
+        fwd = plan_blocksparse_attention_lse(target_for(q.device), info(q), info(k), info(v), info(cu),
+                                             info(cu), info(crow), info(col), sm_scale=scale,
+                                             block_size=bs, max_seqlen=n)
+        env = run_plan(fwd, dict(q=q, k=k, v=v, cu_seqlens_k=cu, cu_seqlens_q=cu, crow=crow, col=col))
+        go = torch.randn_like(q)
+        bt = dict(q=q, k=k, v=v, output=env["output"], lse=env["lse"], grad_output=go, cu_seqlens_k=cu,
+                  cu_seqlens_q=cu, crow=crow, col=col)
+        args = [info(bt[x]) for x in ("q", "k", "v", "output", "lse", "grad_output", "cu_seqlens_k",
+                                      "cu_seqlens_q", "crow", "col")]
+        bwd = plan_blocksparse_attention_backward(
+            target_for(q.device), *args, sm_scale=scale, block_size=bs, max_seqlen=n,
+            config=BlocksparseBackwardConfig(dq_gluon=False))
+        full = run_plan(bwd, bt)
+        (dq_launch,) = [la for la in bwd.launches if la.kernel.fn.__name__ == "_bsattn_bwd_dq_kernel"]
+        written = {dq_launch.params[w] for w in dq_launch.writes}
+        given = {**bt, **{b: full[b] for b in bwd.buffers if b not in written}}
+        bufs = {nm: b for nm, b in bwd.buffers.items() if nm in written}
+        plans = {"new": Plan(bufs, (dq_launch,), ()),
+                 "old": Plan(bufs, (dataclasses.replace(dq_launch, kernel=oldb._bsattn_bwd_dq_kernel),), ())}
+        times = {"new": [], "old": []}
+        dqs = {}
+        for _ in range(trials):
+            for name in ("old", "new"):
+                times[name].append(kernel_time_torch(lambda p=plans[name]: run_plan(p, given)) * 1e6)
+                dqs[name] = run_plan(plans[name], given)["grad_q"].clone()
+        row = dict(what="bs-dq-triton", lens=f"1x{n}", new_us=statistics.median(times["new"]),
+                   old_us=statistics.median(times["old"]), new_all=times["new"], old_all=times["old"],
+                   bitwise=bool(torch.equal(dqs["new"], dqs["old"])))
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def copy_sizes():
+    """Device-to-device copy rate (read + write counted, do_bench, cold L2) at the
+    byte count of a 16384x32x128 bf16 merge and at the 2 GiB the benches' copy
+    ceiling uses: what a fixed per-launch cost does to a rate at that size."""
+    import torch
+    from benchmarks.timing import kernel_time_torch
+    rows = []
+    merge_bytes = 3 * 16384 * 32 * 128 * 2 + 3 * 16384 * 32 * 4
+    for nbytes in (merge_bytes, 2 << 30):
+        src = torch.empty(nbytes // 2 // 4, device="cuda", dtype=torch.float32)
+        dst = torch.empty_like(src)
+        t = kernel_time_torch(lambda: dst.copy_(src))
+        moved = 2 * src.numel() * 4
+        rows.append(dict(what="copy", bytes_moved=moved, us=t * 1e6, TBps=moved / t / 1e12))
+        print(rows[-1], flush=True)
+        del src, dst
     return rows
 
 
@@ -331,7 +390,7 @@ def main():
     rows = []
     for part in a.only.split(","):
         rows += {"probe": probe, "l2": l2, "merge": merge, "merge_repeat": merge_repeat,
-                 "bsfwd": bsfwd}[part]()
+                 "bsfwd": bsfwd, "copy": copy_sizes}[part]()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "exp_frontier_bounds.json").write_text(json.dumps(rows, indent=1))
 

@@ -200,14 +200,16 @@ def _bsattn_bwd_dq_kernel(
         start = tl.load(p_crow + qb)
         end = tl.load(p_crow + qb + 1)
         n_below = _count_below(p_col, start, end, qb, CNT_CHUNK)
-        # the row's columns held in registers: a step's K/V loads then depend on
-        # the loop index alone (not on a load in the loop), so they are pipelined.
-        # NOTE: H200, Phi-3-small 1x16384 bf16: this kernel alone 1.945 -> 1.707
-        # ms, fwd+bwd 6.50 ms (2026-11-24; the dK/dV kernel's NOTE: the same change)
-        o_c = tl.arange(0, NNZ_P2)
-        cols = tl.load(p_col + start + o_c, mask=o_c < end - start, other=0)
+        # each step's column loaded one step ahead into a loop-carried scalar, as
+        # in the forward (kernels.py's NOTE): the K/V loads stay pipelined. NOTE:
+        # H200, Phi-3-small 1x16384 bf16: with the column loaded in the step this
+        # kernel alone took 1.945 ms, with the row's columns in a register vector
+        # picked by a masked sum (a cross-warp reduction per step) 1.707 ms
+        # (2026-11-24).
+        c_next = tl.load(p_col + start, mask=n_below > 0, other=0)
         for j in tl.range(0, n_below * SUB):
-            c = _sum(tl.where(o_c == j // SUB, cols, 0), 0)
+            c = c_next
+            c_next = tl.load(p_col + start + (j + 1) // SUB, mask=j + 1 < n_below * SUB, other=0)
             kstart = (c * BLOCK_SIZE + (j % SUB) * BLOCK_N).to(tl.int64)
             b_dq = _dq_step(b_dq, b_q, b_do, b_lse2, b_delta, k_base + kstart * stride_kt + k_offs,
                             v_base + kstart * stride_vt + v_offs, kstart + o_n, o_m, k_len, m_m, m_dk,

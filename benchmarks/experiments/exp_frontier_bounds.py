@@ -1,6 +1,6 @@
 """What bounds the block-sparse prefill, and the small merge's latency (GPU only).
 
-    python -m benchmarks.experiments.exp_frontier_bounds [--out DIR] [--only probe,l2,merge,merge_repeat,bsfwd,copy,ws]
+    python -m benchmarks.experiments.exp_frontier_bounds [--out DIR] [--only probe,l2,merge,merge_repeat,bsfwd,copy]
 
 ``probe``: the block-sparse prefill at 1x16384, Phi-3-small bf16, by a probe
 kernel that walks exactly the production schedule (heaviest row tiles first,
@@ -23,9 +23,9 @@ kernel and ours timed in alternation, many times (the spread between runs).
 ``bsfwd``: the block-sparse prefill forward against the previous kernel
 (``.peer/old_bs_kernels.py``, 28da7fc's kernels.py with absolute imports) and
 the Triton dQ kernel alone against 28da7fc's (``.peer/old_bs_backward_kernels.py``).
-``copy``: the copy rate at a merge's byte count and at 2 GiB. ``ws``: the
-warp-specialised Gluon prefill prototype (core_kernels/blocksparse_attention/
-gluon_forward.py) against the Triton kernel: outputs and LSE bitwise, time.
+``copy``: the copy rate at a merge's byte count and at 2 GiB. (``ws``, the
+warp-specialised Gluon prefill prototype against the Triton kernel, is in
+commit cc598c4 with the prototype.)
 """
 from __future__ import annotations
 
@@ -384,69 +384,6 @@ def copy_sizes():
     return rows
 
 
-def ws(trials: int = 5):
-    """The warp-specialised Gluon prefill (gluon_forward.py) against the Triton
-    kernel on the same plan (half the grid), Phi-3-small bf16: outputs and LSE
-    compared (max difference, bitwise), GPU time per call alternating."""
-    import statistics
-
-    import torch
-    from adapters.torch._executor import info, run_plan, target_for
-    from benchmarks.registry import BLOCKSPARSE_MODEL
-    from benchmarks.timing import kernel_time_torch
-    from core_kernels._plan import Plan
-    from core_kernels.blocksparse_attention import (build_sparse_layout, plan_blocksparse_attention,
-                                                    plan_blocksparse_attention_lse)
-    from core_kernels.blocksparse_attention import gluon_forward as gf
-    m = BLOCKSPARSE_MODEL
-    hq, hkv, d, bs = m["hq"], m["hkv"], m["d"], m["block_size"]
-    rows = []
-    for lens, qlens in (([300, 77, 1000], None), ([16384], None), ([4096] * 4, None),
-                        ([2048, 4096], [2048, 512])):
-        n = max(lens)
-        (crow_np, col_np), _ = build_sparse_layout(hq, max(n, 64), bs, m["local_blocks"],
-                                                   m["vert_stride"], m["homo_head"])
-        crow, col = torch.from_numpy(crow_np.copy()).cuda(), torch.from_numpy(col_np.copy()).cuda()
-        qlens = qlens or lens
-        q = torch.randn(sum(qlens), hq, d, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(sum(lens), hkv, d, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(sum(lens), hkv, d, device="cuda", dtype=torch.bfloat16)
-        cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
-        cuq = torch.tensor(np.concatenate([[0], np.cumsum(qlens)]), dtype=torch.int32, device="cuda")
-        tensors = dict(q=q, k=k, v=v, cu_seqlens_k=cu, cu_seqlens_q=cuq, crow=crow, col=col)
-        for with_lse in (False, True):
-            planner = plan_blocksparse_attention_lse if with_lse else plan_blocksparse_attention
-            tri = planner(target_for(q.device), info(q), info(k), info(v), info(cu), info(cuq),
-                          info(crow), info(col), block_size=bs, max_seqlen=n)
-            la = tri.launches[0]
-            kern = gf._bsattn_fwd_lse_ws_kernel if with_lse else gf._bsattn_fwd_ws_kernel
-            gws = Plan(tri.buffers, (dataclasses.replace(la, kernel=kern, grid=(la.grid[0] // 2,)),),
-                       tri.results)
-            res = {}
-            for name, plan in (("triton", tri), ("ws", gws)):
-                env = run_plan(plan, tensors, None, q.device)
-                torch.cuda.synchronize()
-                res[name] = {b: env[b].clone() for b in tri.results}
-            row = dict(what="ws", lens=str(lens), qlens=str(qlens), lse=with_lse)
-            for b in tri.results:
-                a, c = res["triton"][b].float(), res["ws"][b].float()
-                fin = torch.isfinite(a)
-                row[f"{b}_maxdiff"] = float((a[fin] - c[fin]).abs().max()) if fin.any() else 0.0
-                row[f"{b}_bitwise"] = bool(torch.equal(res["triton"][b], res["ws"][b]))
-                row[f"{b}_nonfinite_same"] = bool(torch.equal(fin, torch.isfinite(c)))
-            if sum(lens) >= 16384 and not with_lse:
-                times = {"triton": [], "ws": []}
-                for _ in range(trials):
-                    for name, plan in (("triton", tri), ("ws", gws)):
-                        times[name].append(kernel_time_torch(
-                            lambda p=plan: run_plan(p, tensors, None, q.device)) * 1e6)
-                row.update(triton_us=statistics.median(times["triton"]), ws_us=statistics.median(times["ws"]),
-                           triton_all=times["triton"], ws_all=times["ws"])
-            rows.append(row)
-            print(row, flush=True)
-    return rows
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -455,8 +392,7 @@ def main():
     rows = []
     for part in a.only.split(","):
         rows += {"probe": probe, "l2": l2, "merge": merge, "merge_repeat": merge_repeat,
-                 "bsfwd": bsfwd, "copy": copy_sizes,
-                 "ws": ws}[part]()
+                 "bsfwd": bsfwd, "copy": copy_sizes}[part]()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "exp_frontier_bounds.json").write_text(json.dumps(rows, indent=1))
 

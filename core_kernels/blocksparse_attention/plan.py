@@ -362,6 +362,16 @@ def _prefill_config(target: Target, p: _Problem) -> BlocksparsePrefillConfig:
     # the same run; pairs of query tiles (two layout rows sharing each K/V load
     # through the union of their columns, 8 warps, one CTA per SM at 185 registers
     # and 128 KB of shared memory) 1509 against 1284 us, 4x4096 924 against 760 us.
+    # NOTE: warp-specialised Gluon forms (sm_90, bf16, D 128; the code is commit
+    # cc598c4), bitwise equal to this kernel, measured on the H200 (2026-11-25,
+    # Phi-3-small, 1x16384 / 4x4096, against this kernel in the same runs): one CTA
+    # of two query tiles with a loader warpgroup and a consumer warpgroup per tile,
+    # 2-slot rings per tile and one loader 1449 / 882 us against 1291 / 781; a
+    # loader per tile and 3 slots 1340 / 819 against 1290 / 767; with S and the
+    # previous P V issued together 1361 / 828 against 1319 / 783; the two tiles of
+    # a GQA pair sharing one ring over the union of their columns (each shared
+    # local block read once) 1342 / 796 against 1294 / 774. Four tiles per CTA
+    # (the whole GQA group) leave 120 registers per consumer: 1.8 KB of spills.
     bm = bn = min(p.block_size, 64)
     return BlocksparsePrefillConfig(bm, bn, 8 if p.d_pad > 128 else 4,
                                     _fit_stages(bm, bn, PREFILL_STAGES, p))

@@ -40,6 +40,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
+from benchmarks.bench_merge_attn_states import vllm_merge
 from core_kernels.blocksparse_attention.kernels import _attend_block, _count_below, _sum
 
 PEER = Path(__file__).resolve().parents[2] / ".peer"
@@ -193,7 +194,7 @@ def merge():
     from benchmarks.timing import graph_time_torch, kernel_time_torch
     from core_kernels._plan import Plan
     from core_kernels.merge_attn_states import MergeConfig, plan_merge_attn_states
-    peer = _load("peer_vllm_merge", PEER / "vllm_merge.py").merge_attn_states
+    peer = vllm_merge()
     old = _load("old_merge_kernels", PEER / "old_merge_kernels.py")._merge_attn_states_kernel
     rows = []
     cases = [(nn, h, 128, dt) for nn in (1, 64, 512, 4096, 16384) for h in (32, 64)
@@ -254,7 +255,7 @@ def merge_repeat(trials: int = 15, variants=((128, 1), (256, 2), (512, 2), (512,
     import adapters.torch as at
     from benchmarks.timing import kernel_time_torch
     from core_kernels.merge_attn_states import MergeConfig
-    peer = _load("peer_vllm_merge", PEER / "vllm_merge.py").merge_attn_states
+    peer = vllm_merge()
     configs = [None] + [MergeConfig(t, w) for t, w in variants]
     rows = []
     for h in (32, 64):

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import jit
-from .kernels import (_add, _count_below, _in_earlier_rows, _locate, _or, _pick, _query_tiles, _row_extent,
+from .kernels import (_add, _col_at, _count_below, _in_earlier_rows, _locate, _or, _pick, _query_tiles, _row_extent,
                       _seq_bounds, _sum)
 
 LOG2E = tl.constexpr(1.4426950408889634)   # a constexpr: the GPU compiler refuses plain globals
@@ -206,10 +206,10 @@ def _bsattn_bwd_dq_kernel(
         # kernel alone took 1.945 ms, with the row's columns in a register vector
         # picked by a masked sum (a cross-warp reduction per step) 1.707 ms
         # (2026-11-24).
-        c_next = tl.load(p_col + start, mask=n_below > 0, other=0)
+        c_next = _col_at(p_col, start, 0, n_below * SUB, SUB)
         for j in tl.range(0, n_below * SUB):
             c = c_next
-            c_next = tl.load(p_col + start + (j + 1) // SUB, mask=j + 1 < n_below * SUB, other=0)
+            c_next = _col_at(p_col, start, j + 1, n_below * SUB, SUB)
             kstart = (c * BLOCK_SIZE + (j % SUB) * BLOCK_N).to(tl.int64)
             b_dq = _dq_step(b_dq, b_q, b_do, b_lse2, b_delta, k_base + kstart * stride_kt + k_offs,
                             v_base + kstart * stride_vt + v_offs, kstart + o_n, o_m, k_len, m_m, m_dk,

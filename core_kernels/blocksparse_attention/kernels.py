@@ -109,6 +109,14 @@ def _count_below(p_col, start, end, qb, CNT_CHUNK: tl.constexpr):
 
 
 @triton.jit
+def _col_at(p_col, start, j, n_steps, SUB: tl.constexpr):
+    """The column of step j of a row's loop over its columns p_col[start:]
+    (SUB steps per column), 0 past the n_steps steps: the forward and dQ loops
+    load it one step ahead into a loop-carried scalar (kernels.py's NOTE)."""
+    return tl.load(p_col + start + j // SUB, mask=j < n_steps, other=0)
+
+
+@triton.jit
 def _row_extent(p_crow, row, num_rows: tl.constexpr):
     """[start, end) of layout row ``row`` in col; empty for a row past the last."""
     row_c = tl.minimum(row, num_rows - 1)
@@ -344,10 +352,10 @@ def _bsattn_fwd_program(
         # one barrier and the exchange, with the same bits: 2026-11-25, five
         # alternating runs, medians 1295 vs 1329 us at 1x16384 and 774 vs 783 us
         # at 4x4096 (within the runs' spread: 1220-1474 us for the old form).
-        c_next = tl.load(p_col + start, mask=n_below > 0, other=0)
+        c_next = _col_at(p_col, start, 0, n_below * SUB, SUB)
         for j in tl.range(0, n_below * SUB):
             c = c_next
-            c_next = tl.load(p_col + start + (j + 1) // SUB, mask=j + 1 < n_below * SUB, other=0)
+            c_next = _col_at(p_col, start, j + 1, n_below * SUB, SUB)
             kstart = (c * BLOCK_SIZE + (j % SUB) * BLOCK_N).to(tl.int64)
             acc, m_i, l_i = _attend_block(
                 acc, m_i, l_i, b_q, k_base + kstart * stride_kt + k_offs,

@@ -43,9 +43,14 @@ SMALL_ELEMS = 1 << 19   # N * H * padded D at or below which 16-bit merges use S
 SMALL_CONFIG = MergeConfig(256, 1)
 
 
-def default_config(rows: int, block_d: int, itemsize: int) -> MergeConfig:
-    """The measured tiling for ``rows`` (token, head) rows of ``block_d`` padded channels."""
-    if itemsize == 2 and rows * block_d <= SMALL_ELEMS:
+def _block_d(d: int) -> int:
+    """A tile row's channels: the head size padded to a power of two >= 16."""
+    return max(16, next_pow2(d))
+
+
+def default_config(n: int, h: int, d: int, itemsize: int) -> MergeConfig:
+    """The measured tiling of an [N, H, D] merge of ``itemsize``-byte inputs."""
+    if itemsize == 2 and n * h * _block_d(d) <= SMALL_ELEMS:
         return SMALL_CONFIG
     return CONFIGS[itemsize]
 
@@ -102,8 +107,7 @@ def plan_merge_attn_states(
         check_scalar_array("prefill_tokens_with_context", prefill_tokens_with_context, INT_DTYPES)
     if problem.n == 0 or problem.h == 0:
         return Plan(problem.buffers, (), problem.results)
-    config = config or default_config(problem.n * problem.h, max(16, next_pow2(problem.d)),
-                                      ITEMSIZE[problem.in_dtype])
+    config = config or default_config(problem.n, problem.h, problem.d, ITEMSIZE[problem.in_dtype])
     return Plan(problem.buffers, (_launch(problem, config, prefix_output, prefix_lse, suffix_output,
                                           suffix_lse, num_ctx, output_scale is not None),),
                 problem.results)
@@ -163,7 +167,7 @@ def _validate(prefix_output, prefix_lse, suffix_output, suffix_lse, output, outp
 
 def _launch(p: _Problem, config: MergeConfig, prefix_output, prefix_lse, suffix_output, suffix_lse,
             num_ctx, has_output_scale) -> Launch:
-    block_d = max(16, next_pow2(p.d))
+    block_d = _block_d(p.d)
     rows = p.n * p.h
     block_r = max(1, min(config.tile_elems // block_d, next_pow2(rows)))
     lse_strides = p.output_lse.strides if p.has_out_lse else (0, 0)
@@ -251,7 +255,7 @@ def plan_merge_attn_states_backward(
     if n == 0 or h == 0:
         return Plan(buffers, (), results)
     config = config or BACKWARD_CONFIGS[ITEMSIZE[problem.in_dtype]]
-    block_d = max(16, next_pow2(d))
+    block_d = _block_d(d)
     rows = n * h
     block_r = max(1, min(config.tile_elems // block_d, next_pow2(rows)))
     glse = grad_output_lse.strides if grad_output_lse is not None else (0, 0)

@@ -54,6 +54,12 @@ class Buffer:
     # no launch reads or writes it: it stands in for a pointer the launches leave
     # alone (an executor may pass any tensor of the dtype, e.g. one shared one)
     placeholder: bool = False
+    # scratch that no result names and no call reads from an earlier call: what
+    # the launches leave in it is dead, except that a zero_init buffer is all
+    # zero again when the launches end (they restore it). An executor may keep
+    # one allocation per device and stream for every call of every plan
+    # (calls on one stream run in order), allocated and zeroed once.
+    per_stream: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

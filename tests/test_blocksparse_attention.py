@@ -223,13 +223,13 @@ def test_index_dtypes_in_plans():
 def test_decode_splits_follow_the_sm_count():
     """Split counts aim at a number of programs per SM: another device, another choice."""
     # per-head decode (1 sequence x 8 KV heads: too few programs to pack), rows of at
-    # most 100 blocks: splits = min(max(8 * SMs / (B * Hq), 100 / 8), 100 / 2, 64)
+    # most 100 blocks: splits = min(max(6 * SMs // (B * Hq), 100 / 8), 100 / 2, 64)
     q, k = ArrayInfo.contiguous((1, 32, 128), "bfloat16"), ArrayInfo.contiguous((4096, 8, 128), "bfloat16")
     args = (q, k, k, ArrayInfo.contiguous((2,), "int32"), None,
             ArrayInfo.contiguous((32, 257), "int32"), ArrayInfo.contiguous((32, 100), "int32"))
-    for sms, splits in ((132, 33), (66, 17), (264, 50), (8, 13)):
+    for sms, splits in ((132, 24), (66, 13), (264, 49), (8, 13)):
         plan = plan_blocksparse_attention(Target.interpreter(sms), *args, block_size=64)
-        assert kernel_names(plan) == ["_bsattn_decode_kernel", "_bsattn_combine_kernel"]
+        assert kernel_names(plan) == ["_bsattn_decode_kernel"]  # the splits merge in the launch
         assert plan.launches[0].constexprs["NUM_SPLITS"] == splits, sms
         assert plan.launches[0].grid == (32 * splits,)
         assert choose_config(Target.interpreter(sms), *args, block_size=64) == BlocksparseDecodeConfig(splits)
@@ -241,18 +241,18 @@ def test_decode_splits_follow_the_sm_count():
             ArrayInfo.contiguous(col.shape, "int32"))
     for sms, splits in ((132, 2), (33, 1), (528, 4)):
         plan = plan_blocksparse_attention(Target.interpreter(sms), *args, block_size=64)
-        assert kernel_names(plan)[0] == "_bsattn_decode_group_kernel"
+        assert kernel_names(plan) == ["_bsattn_decode_group_kernel"]
         assert plan.launches[0].constexprs["NUM_SPLITS"] == splits, sms
-        assert len(plan.launches) == (1 if splits == 1 else 2)
+        assert plan.buffers["counters"].placeholder == (splits == 1)
 
 
 def test_config_selects_the_variant():
     (q, k, v, cu_k, _), (crow, col), _ = decode_batch(3, "float32")
     args = infos(q, k, v, cu_k, None, crow, col)
-    cases = [(None, ["_bsattn_decode_kernel", "_bsattn_combine_kernel"]),
+    cases = [(None, ["_bsattn_decode_kernel"]),
              (BlocksparsePrefillConfig(16, 16), ["_bsattn_fwd_kernel"]),
              (BlocksparseDecodeConfig(1), ["_bsattn_decode_kernel"]),
-             (BlocksparseGroupDecodeConfig(2, 4), ["_bsattn_decode_group_kernel", "_bsattn_combine_kernel"])]
+             (BlocksparseGroupDecodeConfig(2, 4), ["_bsattn_decode_group_kernel"])]
     for config, names in cases:
         plan = plan_blocksparse_attention(Target.interpreter(), *args, block_size=16, config=config)
         assert kernel_names(plan) == names, config
@@ -309,10 +309,10 @@ def test_gpu_test_plans_build():
     assert kernel_names(plan) == ["_bsattn_fwd_kernel"]
     q, k, v, cu_k, _ = make_batch([4000], None, 32, 8, 128, "float16")
     plan = plan_blocksparse_attention(H200, *infos(q, k, v, cu_k, None, crow, col), block_size=64)
-    assert kernel_names(plan) == ["_bsattn_decode_kernel", "_bsattn_combine_kernel"]
+    assert kernel_names(plan) == ["_bsattn_decode_kernel"]
     q, k, v, cu_k, _ = make_batch([4096, 1, 64, 65, 1000, 3000, 4095, 2049], None, 32, 8, 128, "float16")
     plan = plan_blocksparse_attention(H200, *infos(q, k, v, cu_k, None, crow, col), block_size=64)
-    assert kernel_names(plan) == ["_bsattn_decode_group_kernel", "_bsattn_combine_kernel"]
+    assert kernel_names(plan) == ["_bsattn_decode_group_kernel"]
     (crow, col), _ = build_sparse_layout(32, 2048, 64, 16, 8, False)
     for lens_q in (None, [700, 300]):
         q, k, v, cu_k, cu_q = make_batch([700, 1300], lens_q, 32, 8, 128, "float16")
@@ -350,6 +350,83 @@ def test_decode_group_packed(case):
     assert "_bsattn_decode_group_kernel" in names
     assert_close(out, reference(q, k, v, cu_k, None, mask, bs), "float32", case, scale=2.0)
 
+
+@pytest.mark.parametrize("config,hq,hkv,merge_values", [
+    (BlocksparseDecodeConfig(4), 4, 2, None),
+    (BlocksparseGroupDecodeConfig(3, 2), 4, 2, None),
+    # 6 heads in a block of 8, merged 2 per round of loads (the last round empty)
+    (BlocksparseGroupDecodeConfig(3, 2), 6, 1, 128),
+    (BlocksparseGroupDecodeConfig(2, 4), 6, 1, 1),           # one head per round
+], ids=str)
+def test_decode_merges_in_its_launch_and_leaves_counters_zero(config, hq, hkv, merge_values, monkeypatch,
+                                                              request):
+    """Split decode is one launch: the last split of a row (or of a packed
+    program's heads) merges the partials, and every ticket counter is zero
+    again afterwards (the next call on the stream reuses them, Buffer.per_stream).
+    Run twice over fresh inputs into poisoned scratch: nothing one call leaves
+    behind but zeros may matter."""
+    from adapters.torch._executor import info, run_plan, target_for
+    from core_kernels.blocksparse_attention import plan as bs_plan
+    if merge_values is not None:  # plans made under the patch leave the cache with it
+        monkeypatch.setattr(bs_plan, "MERGE_VALUES", merge_values)
+        plan_blocksparse_attention.cache_clear()
+        request.addfinalizer(plan_blocksparse_attention.cache_clear)
+    for seed in (None, None):
+        (q, k, v, cu_k, _), (crow, col), mask = decode_batch(6, "float32", hq=hq, hkv=hkv, d=16, seed=seed)
+        t = dict(q=to_torch(q), k=to_torch(k), v=to_torch(v), cu_seqlens_k=to_torch(cu_k),
+                 crow=to_torch(np.ascontiguousarray(crow)), col=to_torch(np.ascontiguousarray(col)))
+        plan = plan_blocksparse_attention(target_for(t["q"].device), *(info(t[n]) for n in (
+            "q", "k", "v", "cu_seqlens_k")), None, info(t["crow"]), info(t["col"]), block_size=16,
+            config=config)
+        c = plan.launches[0].constexprs
+        assert len(plan.launches) == 1 and c["NUM_SPLITS"] > 1
+        if merge_values is not None:
+            assert c["MERGE_HEADS"] == {128: 2, 1: 1}[merge_values] and c["HEADS"] == 8
+        counters, partials = plan.buffers["counters"], plan.buffers["partials"]
+        assert counters.zero_init and counters.per_stream and partials.per_stream
+        assert not {"counters", "partials"} & set(plan.results)
+        env = run_plan(plan, t, None, t["q"].device)
+        assert_close(torch_to_numpy(env["output"]), reference(q, k, v, cu_k, None, mask, 16),
+                     "float32", str(config), scale=2.0)
+        assert not torch.any(env["counters"] != 0), "ticket counters left non-zero"
+        env["partials"].fill_(float("nan"))   # what a later call finds there
+
+
+@requires_gpu
+def test_gpu_decode_scratch_per_stream():
+    """The torch executor keeps a split decode's scratch per stream: calls on one
+    stream share it, another stream gets its own, and a CUDA graph capture
+    allocates its own (the graph keeps the address)."""
+    from adapters.torch._executor import info, run_plan, target_for
+    (q, k, v, cu_k, _), (crow, col), mask = decode_batch(6, "bfloat16", hq=4, hkv=2, d=16)
+    t = dict(q=to_torch(q), k=to_torch(k), v=to_torch(v), cu_seqlens_k=to_torch(cu_k),
+             crow=to_torch(np.ascontiguousarray(crow)), col=to_torch(np.ascontiguousarray(col)))
+    plan = plan_blocksparse_attention(target_for(t["q"].device), *(info(t[n]) for n in (
+        "q", "k", "v", "cu_seqlens_k")), None, info(t["crow"]), info(t["col"]), block_size=16,
+        config=BlocksparseDecodeConfig(4))
+    ptrs = lambda env: (env["partials"].data_ptr(), env["counters"].data_ptr())  # noqa: E731
+    first = run_plan(plan, t, None, t["q"].device)
+    first["partials"].fill_(float("nan"))
+    second = run_plan(plan, t, None, t["q"].device)
+    assert ptrs(first) == ptrs(second)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        other = run_plan(plan, t, None, t["q"].device)
+    torch.cuda.current_stream().wait_stream(side)
+    assert not set(ptrs(other)) & set(ptrs(first))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run_plan(plan, t, None, t["q"].device)
+    assert not set(ptrs(captured)) & (set(ptrs(first)) | set(ptrs(other)))
+    captured["output"].fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = reference(q, k, v, cu_k, None, mask, 16)
+    assert_close(torch_to_numpy(first["output"]), ref, "bfloat16", "first call")
+    for env in (second, other, captured):
+        assert torch.equal(env["output"], first["output"])
+        assert not torch.any(env["counters"] != 0)
 
 # ------------------------------------------------------------------ the adapters
 def _bad_cases():

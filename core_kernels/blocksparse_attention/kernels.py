@@ -15,9 +15,10 @@ Three kernels:
   decode, mixed). A 1-D grid of (tile, head) programs; the tile schedule is
   read from cu_seqlens on the device (a cumsum over the batch inside every
   program), so the grid depends only on static bounds.
-- ``_bsattn_decode_kernel`` + ``_bsattn_combine_kernel``: decode-only batches
-  (one query per sequence), the row's key blocks split across programs
-  (flash-decoding), then merged by their log-sum-exps.
+- ``_bsattn_decode_kernel`` / ``_bsattn_decode_group_kernel``: decode-only
+  batches (one query per sequence), the row's key blocks split across programs
+  (flash-decoding); the last split of a row to finish merges the splits by
+  their log-sum-exps (``_finish_decode``), in the same launch.
 
 Positions are absolute (query i of a sequence sits at past + i, past =
 k_len - q_len); query tiles are aligned to absolute positions, so a tile of
@@ -394,10 +395,59 @@ def _bsattn_fwd_program(
 
 
 @triton.jit
+def _combine_head(part_ptr, p_out, row0, m_d, NUM_SPLITS: tl.constexpr, S_P2: tl.constexpr,
+                  LSE_OFFSET: tl.constexpr, head_size: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One head's output from its NUM_SPLITS partial outputs, rows row0 ..
+    row0 + NUM_SPLITS - 1 of the scratch, weighted by their base-2 LSEs.
+    Loaded with .cg: written by other programs of this launch (L1 is not
+    coherent). S_P2: a power of two >= NUM_SPLITS."""
+    o_s = tl.arange(0, S_P2)
+    m_s = o_s < NUM_SPLITS
+    o_d = tl.arange(0, BLOCK_D)
+    rows = row0 + o_s
+    b_lse = tl.load(part_ptr + LSE_OFFSET + rows, mask=m_s, other=float("-inf"),
+                    cache_modifier=".cg")                                   # [S_P2]
+    m = _max(b_lse, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(b_lse - m_use)
+    w_sum = _sum(w, 0)
+    b_o = tl.load(part_ptr + rows.to(tl.int64)[:, None] * head_size + o_d[None, :],
+                  mask=m_s[:, None] & m_d[None, :], other=0.0, cache_modifier=".cg")  # [S_P2, BLOCK_D]
+    out = _sum(w[:, None] * b_o, 0) / tl.where(w_sum == 0.0, 1.0, w_sum)
+    tl.store(p_out, out.to(p_out.dtype.element_ty), mask=m_d)
+
+
+@triton.jit
+def _merge_heads(part_ptr, p_out, bh0, n_h, stride_oh, NUM_SPLITS: tl.constexpr, S_P2: tl.constexpr,
+                 HC: tl.constexpr, LSE_OFFSET: tl.constexpr, head_size: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """_combine_head for the min(n_h, HC) heads bh0, bh0 + 1, ... at once (p_out:
+    the first one's output row; the others follow at stride_oh): one round of
+    loads for all of them, not one per head."""
+    o_h = tl.arange(0, HC)
+    o_s = tl.arange(0, S_P2)
+    o_d = tl.arange(0, BLOCK_D)
+    m_h = o_h < n_h
+    m_d = o_d < head_size
+    rows = (bh0 + o_h)[:, None] * NUM_SPLITS + o_s[None, :]               # [HC, S_P2]
+    m_hs = m_h[:, None] & (o_s < NUM_SPLITS)[None, :]
+    b_lse = tl.load(part_ptr + LSE_OFFSET + rows, mask=m_hs, other=float("-inf"), cache_modifier=".cg")
+    b_o = tl.load(part_ptr + rows.to(tl.int64)[:, :, None] * head_size + o_d[None, None, :],
+                  mask=m_hs[:, :, None] & m_d[None, None, :], other=0.0,
+                  cache_modifier=".cg")                                     # [HC, S_P2, BLOCK_D]
+    m = _max(b_lse, 1)
+    w = tl.math.exp2(b_lse - tl.where(m == float("-inf"), 0.0, m)[:, None])
+    w_sum = _sum(w, 1)
+    out = _sum(w[:, :, None] * b_o, 1) / tl.where(w_sum == 0.0, 1.0, w_sum)[:, None]  # [HC, BLOCK_D]
+    tl.store(p_out + o_h[:, None] * stride_oh + o_d[None, :], out.to(p_out.dtype.element_ty),
+             mask=m_h[:, None] & m_d[None, :])
+
+
+@triton.jit
 def _store_decode_result(b_o, m_i, l_i, l_safe, p_out, p_part, p_lse, mask_o, mask_lse,
                          NUM_SPLITS: tl.constexpr):
     """A decode program's result: the normalised output itself (one split), or
-    the split's partial output and its base-2 LSE for _bsattn_combine_kernel."""
+    the split's partial output and its base-2 LSE (see _finish_decode)."""
     if NUM_SPLITS == 1:
         tl.store(p_out, b_o.to(p_out.dtype.element_ty), mask=mask_o)
     else:
@@ -405,12 +455,35 @@ def _store_decode_result(b_o, m_i, l_i, l_safe, p_out, p_part, p_lse, mask_o, ma
         tl.store(p_lse, tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf")), mask=mask_lse)
 
 
+# NOTE: one launch instead of a decode and a combine kernel: the second launch
+# cost ~9 us of host time per call (the C launcher's cuLaunchKernelEx on the
+# H200 host), about a quarter of a 1x16384 decode call's wall time. Every split
+# takes a ticket on its row's counter after its partial is stored (a CTA barrier,
+# then one acq_rel atomic: the release covers the whole CTA's stores); the split
+# that draws the last ticket merges the row and sets the counter back to zero,
+# so the counters (zeroed once, see Buffer.per_stream) are zero again after
+# every launch. Which split merges does not change the result: the merge reads
+# the partials in split order.
+@triton.jit
+def _finish_decode(cnt_ptr, row_id, NUM_SPLITS: tl.constexpr):
+    """True in the program that stored the last of row ``row_id``'s splits
+    (the counter is reset there)."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(cnt_ptr + row_id, 1, sem="acq_rel")
+    last = ticket == NUM_SPLITS - 1
+    if last:
+        tl.store(cnt_ptr + row_id, 0)
+    return last
+
+
 @jit
 def _bsattn_decode_kernel(
     # input pointers
     q_ptr, k_ptr, v_ptr, cu_k_ptr, crow_ptr, col_ptr,
-    # output pointers
-    out_ptr, part_ptr,
+    # output pointers (part_ptr: [B, Hq, splits] partial outputs, then their LSEs;
+    # cnt_ptr: a ticket counter per merged row (or group of rows), zero on entry
+    # and on exit; both unused with one split)
+    out_ptr, part_ptr, cnt_ptr,
     # constexprs
     num_heads: tl.constexpr, head_size: tl.constexpr, num_queries_per_kv: tl.constexpr,
     stride_qt: tl.constexpr, stride_qh: tl.constexpr, stride_kt: tl.constexpr,
@@ -418,8 +491,8 @@ def _bsattn_decode_kernel(
     stride_ot: tl.constexpr, stride_oh: tl.constexpr, stride_crow_h: tl.constexpr,
     stride_col_h: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, MIN_PER_SPLIT: tl.constexpr, LSE_OFFSET: tl.constexpr,
-    EVEN_D: tl.constexpr, QK_SCALE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, S_P2: tl.constexpr, MIN_PER_SPLIT: tl.constexpr,
+    LSE_OFFSET: tl.constexpr, EVEN_D: tl.constexpr, QK_SCALE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     i_h = pid % num_heads
@@ -474,42 +547,16 @@ def _bsattn_decode_kernel(
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    row = (i_b * num_heads + i_h) * NUM_SPLITS + i_s
-    _store_decode_result(acc / l_safe, m_i, l_i, l_safe,
-                         out_ptr + i_b.to(tl.int64) * stride_ot + i_h * stride_oh + o_d,
+    bh = i_b * num_heads + i_h
+    row = bh * NUM_SPLITS + i_s
+    p_out = out_ptr + i_b.to(tl.int64) * stride_ot + i_h * stride_oh + o_d
+    _store_decode_result(acc / l_safe, m_i, l_i, l_safe, p_out,
                          part_ptr + row.to(tl.int64) * head_size + o_d, part_ptr + LSE_OFFSET + row, m_d,
                          None, NUM_SPLITS)
-
-
-@jit
-def _bsattn_combine_kernel(
-    # input pointers
-    part_ptr,
-    # output pointers
-    out_ptr,
-    # constexprs
-    num_heads: tl.constexpr, head_size: tl.constexpr, stride_ot: tl.constexpr,
-    stride_oh: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, LSE_OFFSET: tl.constexpr, S_P2: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    i_h = pid % num_heads
-    i_b = pid // num_heads
-    o_s = tl.arange(0, S_P2)
-    m_s = o_s < NUM_SPLITS
-    o_d = tl.arange(0, BLOCK_D)
-    m_d = o_d < head_size
-    rows = (i_b * num_heads + i_h) * NUM_SPLITS + o_s
-    b_lse = tl.load(part_ptr + LSE_OFFSET + rows, mask=m_s, other=float("-inf"))   # [S_P2]
-    m = _max(b_lse, 0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.math.exp2(b_lse - m_use)
-    w_sum = _sum(w, 0)
-    b_o = tl.load(part_ptr + rows.to(tl.int64)[:, None] * head_size + o_d[None, :],
-                  mask=m_s[:, None] & m_d[None, :], other=0.0)             # [S_P2, BLOCK_D]
-    out = _sum(w[:, None] * b_o, 0) / tl.where(w_sum == 0.0, 1.0, w_sum)
-    tl.store(out_ptr + i_b.to(tl.int64) * stride_ot + i_h * stride_oh + o_d,
-             out.to(out_ptr.dtype.element_ty), mask=m_d)
+    if NUM_SPLITS > 1:
+        if _finish_decode(cnt_ptr, bh, NUM_SPLITS):
+            _combine_head(part_ptr, p_out, bh * NUM_SPLITS, m_d, NUM_SPLITS, S_P2, LSE_OFFSET,
+                          head_size, BLOCK_D)
 
 
 @triton.jit
@@ -521,8 +568,10 @@ def _or(a, b):
 def _bsattn_decode_group_kernel(
     # input pointers
     q_ptr, k_ptr, v_ptr, cu_k_ptr, crow_ptr, col_ptr,
-    # output pointers
-    out_ptr, part_ptr,
+    # output pointers (part_ptr: [B, Hq, splits] partial outputs, then their LSEs;
+    # cnt_ptr: a ticket counter per merged row (or group of rows), zero on entry
+    # and on exit; both unused with one split)
+    out_ptr, part_ptr, cnt_ptr,
     # constexprs
     num_heads: tl.constexpr, head_size: tl.constexpr, num_queries_per_kv: tl.constexpr,
     stride_qt: tl.constexpr, stride_qh: tl.constexpr, stride_kt: tl.constexpr,
@@ -531,7 +580,8 @@ def _bsattn_decode_group_kernel(
     stride_col_h: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HEADS: tl.constexpr, CHUNK: tl.constexpr, CNT_CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    NUM_SUB: tl.constexpr, LSE_OFFSET: tl.constexpr, EVEN_D: tl.constexpr, IS_FP32: tl.constexpr,
+    S_P2: tl.constexpr, MERGE_HEADS: tl.constexpr, NUM_SUB: tl.constexpr, LSE_OFFSET: tl.constexpr,
+    EVEN_D: tl.constexpr, IS_FP32: tl.constexpr,
     QK_SCALE: tl.constexpr,
 ):
     """Decode with GQA packing: one program = HEADS query heads of one KV head.
@@ -626,3 +676,12 @@ def _bsattn_decode_group_kernel(
                          out_ptr + i_b.to(tl.int64) * stride_ot + h_m[:, None] * stride_oh + o_d[None, :],
                          part_ptr + row[:, None] * head_size + o_d[None, :], part_ptr + LSE_OFFSET + row,
                          m_m[:, None] & m_d[None, :], m_m, NUM_SPLITS)
+    if NUM_SPLITS > 1:
+        # one counter per (sequence, KV head, head block): its last split merges its heads
+        if _finish_decode(cnt_ptr, pid % (N_HB * num_kv) + i_b * (N_HB * num_kv), NUM_SPLITS):
+            h0 = i_kvh * num_queries_per_kv + i_hb * HEADS                  # the block's first head
+            n_live = tl.minimum(num_queries_per_kv - i_hb * HEADS, HEADS)
+            for c in tl.static_range(0, HEADS, MERGE_HEADS):
+                _merge_heads(part_ptr, out_ptr + i_b.to(tl.int64) * stride_ot + (h0 + c) * stride_oh,
+                             i_b * num_heads + h0 + c, n_live - c, stride_oh, NUM_SPLITS, S_P2,
+                             MERGE_HEADS, LSE_OFFSET, head_size, BLOCK_D)

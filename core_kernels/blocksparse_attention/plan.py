@@ -5,9 +5,9 @@ type per kernel variant, chosen by the measured rules below or given with
 ``config=``) -> launches. The config's type selects the variant:
 - BlocksparsePrefillConfig: _bsattn_fwd_kernel, any batch;
 - BlocksparseDecodeConfig: _bsattn_decode_kernel (one program per query head
-  and split) + _bsattn_combine_kernel, decode-only batches;
+  and split; the last split of a head merges them), decode-only batches;
 - BlocksparseGroupDecodeConfig: _bsattn_decode_group_kernel (GQA-packed, one
-  program per KV head and split) + _bsattn_combine_kernel, decode-only batches.
+  program per KV head and split; likewise merged), decode-only batches.
 """
 from __future__ import annotations
 
@@ -18,20 +18,26 @@ from .._plan import (FLOAT_DTYPES, FP32_MAX, INT32_MAX, ITEMSIZE, ArrayInfo, Buf
                      Scalar, as_float, as_int, cdiv, check_config, check_dtype,
                      check_inner_contiguous, check_ndim, config_class, memoize, next_pow2)
 from .._target import Target
-from .kernels import (LOG2E, _bsattn_combine_kernel, _bsattn_decode_group_kernel,
-                      _bsattn_decode_kernel, _bsattn_fwd_kernel, _bsattn_fwd_lse_kernel)
+from .kernels import (LOG2E, _bsattn_decode_group_kernel, _bsattn_decode_kernel,
+                      _bsattn_fwd_kernel, _bsattn_fwd_lse_kernel)
 
 MAX_HEAD_SIZE = 256
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 # NOTE: decode splits a row's key blocks (flash-decoding) into
-# max(DECODE_PROGRAMS_PER_SM * SMs / (B * Hq), row bound / DECODE_TILES_PER_SPLIT)
+# max(DECODE_PROGRAMS_PER_SM * SMs // (B * Hq), row bound / DECODE_TILES_PER_SPLIT)
 # splits (the row bound is what the layout's shape allows, the real row is
 # often shorter), each split taking at least DECODE_MIN_PER_SPLIT tiles at run
 # time (the rest exit at once). Measured on the H200 (2026-11-21, commit
 # bd50a48; 132 SMs: 8 * 132 programs; GPU time in a CUDA graph, Phi-3-small):
 # 1x16384 33 splits w4 20.6 us, 23 w2 16.2 us, 33 w2 16.8 us, 23 w8 32.7 us;
 # 64x4096 1 split w4 479 us, 4-9 w4 375-385 us, 9 w2 288 us, 9 w8 618 us.
-DECODE_PROGRAMS_PER_SM = 8
+# With the merge in the launch (each split waits for its ticket before it exits,
+# and the last one merges S_P2 = next_pow2(splits) rows) at 1x16384 (32 heads):
+# 24 splits 17.1-17.4 us, 28 17.3-17.6, 32 17.6, 33 19.0-19.1, 20 19.3-19.6,
+# 16 18.9-19.2 (H200, 2026-11-25, benchmarks/experiments/exp_decode_one_launch.py,
+# GPU time in a CUDA graph); 2 warps and 147 registers fit 6 programs per SM. The
+# row-bound term gives that shape 32 splits (the layout's 256 rows / 8).
+DECODE_PROGRAMS_PER_SM = 6
 DECODE_TILES_PER_SPLIT = 8
 DECODE_MIN_PER_SPLIT = 2
 DECODE_MAX_SPLITS = 64
@@ -90,7 +96,7 @@ class BlocksparsePrefillConfig:
 @config_class
 class BlocksparseDecodeConfig:
     """_bsattn_decode_kernel: decode-only batches, one program per (sequence,
-    query head, split); ``splits`` > 1 adds _bsattn_combine_kernel."""
+    query head, split); with ``splits`` > 1 the last split of a head merges them."""
     splits: int
     num_warps: int = DECODE_WARPS
     num_stages: int = DECODE_STAGES
@@ -101,7 +107,8 @@ class BlocksparseGroupDecodeConfig:
     """_bsattn_decode_group_kernel: decode-only batches, one program per
     (sequence, KV head, split) over the union of its query heads' rows;
     key blocks in ``chunk``-block chunks (a power of two in [2, 32]) taken
-    round-robin by at most ``splits`` splits (> 1 adds _bsattn_combine_kernel)."""
+    round-robin by at most ``splits`` splits (> 1: the last split of a program's
+    heads merges them)."""
     splits: int
     chunk: int
     num_warps: int = DECODE_GROUP_WARPS
@@ -386,7 +393,7 @@ def _decode_config(target: Target, p: _Problem, splits: int | None = None) -> Bl
         return BlocksparseDecodeConfig(splits, DECODE_WARPS, DECODE_STAGES)
     row_bound = cdiv(min(p.nnz, p.nb) * p.block_size, _decode_block_n(p))  # K/V tiles in a row, at most
     # a split below DECODE_MIN_PER_SPLIT tiles never has work: cap there
-    splits = max(1, min(max(cdiv(DECODE_PROGRAMS_PER_SM * target.num_sms, p.b * p.hq),
+    splits = max(1, min(max(DECODE_PROGRAMS_PER_SM * target.num_sms // max(1, p.b * p.hq),
                             cdiv(row_bound, DECODE_TILES_PER_SPLIT)),
                         cdiv(row_bound, DECODE_MIN_PER_SPLIT), DECODE_MAX_SPLITS))
     return BlocksparseDecodeConfig(splits, DECODE_WARPS, DECODE_STAGES)
@@ -443,57 +450,67 @@ def _prefill_launch(p: _Problem, config: BlocksparsePrefillConfig, with_lse: boo
         num_warps=config.num_warps, num_stages=config.num_stages)
 
 
-def _partials(p: _Problem, splits: int, buffers: dict) -> int:
+def _partials(p: _Problem, splits: int, counters: int, buffers: dict) -> int:
     """Adds the split-decode scratch to ``buffers``; returns LSE_OFFSET.
 
-    Partial outputs [B, Hq, S, D] then their log2-sum-exps [B, Hq, S], in one
-    fp32 buffer (one allocation less per call: host time). One split writes
-    the output directly; the scratch is then a 1-element dummy."""
+    "partials": partial outputs [B, Hq, S, D] then their log2-sum-exps
+    [B, Hq, S], in one fp32 buffer; "counters": one int32 ticket counter per
+    merged row (or group of rows), zero before and after the launch. Both are
+    per-stream scratch (no allocation per call: host time). One split writes
+    the output directly; both are then placeholders."""
     lse_offset = p.b * p.hq * splits * p.d
-    buffers["partials"] = Buffer((lse_offset + p.b * p.hq * splits,) if splits > 1 else (1,),
-                                 "float32", placeholder=splits <= 1)
+    one = splits <= 1
+    buffers["partials"] = Buffer((1,) if one else (lse_offset + p.b * p.hq * splits,), "float32",
+                                 placeholder=one, per_stream=not one)
+    buffers["counters"] = Buffer((1,) if one else (counters,), "int32", zero_init=not one,
+                                 placeholder=one, per_stream=not one)
     return lse_offset
-
-
-def _combine_launch(p: _Problem, splits: int, lse_offset: int) -> Launch:
-    return Launch(
-        kernel=_bsattn_combine_kernel, grid=(p.b * p.hq,),
-        params=dict(part_ptr="partials", out_ptr="output"), writes=("out_ptr",),
-        constexprs=dict(num_heads=p.hq, head_size=p.d, stride_ot=p.layout["stride_ot"],
-                        stride_oh=p.layout["stride_oh"], NUM_SPLITS=splits, LSE_OFFSET=lse_offset,
-                        S_P2=next_pow2(splits), BLOCK_D=p.d_pad),
-        num_warps=4, num_stages=1)
 
 
 def _decode_launches(p: _Problem, config: BlocksparseDecodeConfig, buffers: dict) -> tuple:
     splits = config.splits
-    lse_offset = _partials(p, splits, buffers)
+    lse_offset = _partials(p, splits, p.b * p.hq, buffers)
     decode = Launch(
         kernel=_bsattn_decode_kernel, grid=(p.b * p.hq * splits,),
-        params=dict(_INPUTS, out_ptr="output", part_ptr="partials"),
-        writes=("out_ptr", "part_ptr"),
+        params=dict(_INPUTS, out_ptr="output", part_ptr="partials", cnt_ptr="counters"),
+        writes=("out_ptr", "part_ptr", "cnt_ptr"),
         constexprs=dict(num_heads=p.hq, head_size=p.d, num_queries_per_kv=p.qpk, **p.layout,
                         BLOCK_SIZE=p.block_size, BLOCK_N=_decode_block_n(p), BLOCK_D=p.d_pad,
-                        NUM_SPLITS=splits, MIN_PER_SPLIT=DECODE_MIN_PER_SPLIT,
+                        NUM_SPLITS=splits, S_P2=max(2, next_pow2(splits)),
+                        MIN_PER_SPLIT=DECODE_MIN_PER_SPLIT,
                         LSE_OFFSET=lse_offset, EVEN_D=p.d_pad == p.d, QK_SCALE=p.qk_scale),
         num_warps=config.num_warps, num_stages=config.num_stages)
-    return (decode, _combine_launch(p, splits, lse_offset)) if splits > 1 else (decode,)
+    return (decode,)
+
+
+# The last split of a packed program merges its heads' partials, MERGE_HEADS
+# heads per round of loads: at most MERGE_VALUES fp32 partial values in flight
+# (64 per thread of the 4-warp program; its main loop's registers are free then).
+MERGE_VALUES = 8192
+
+
+def _heads_per_merge(heads: int, splits: int, d_pad: int) -> int:
+    per_head = max(2, next_pow2(splits)) * d_pad
+    return max(1, min(heads, 1 << max(0, (MERGE_VALUES // per_head).bit_length() - 1)))
 
 
 def _group_decode_launches(p: _Problem, config: BlocksparseGroupDecodeConfig, buffers: dict) -> tuple:
     heads = _group_heads(p)
     n_chunks = cdiv(cdiv(p.max_seqlen, p.block_size), config.chunk)
     splits = max(1, min(config.splits, n_chunks))     # a split without a chunk has no work
-    lse_offset = _partials(p, splits, buffers)
+    programs = p.b * p.hkv * cdiv(p.qpk, heads)
+    lse_offset = _partials(p, splits, programs, buffers)
     decode = Launch(
-        kernel=_bsattn_decode_group_kernel, grid=(p.b * p.hkv * cdiv(p.qpk, heads) * splits,),
-        params=dict(_INPUTS, out_ptr="output", part_ptr="partials"),
-        writes=("out_ptr", "part_ptr"),
+        kernel=_bsattn_decode_group_kernel, grid=(programs * splits,),
+        params=dict(_INPUTS, out_ptr="output", part_ptr="partials", cnt_ptr="counters"),
+        writes=("out_ptr", "part_ptr", "cnt_ptr"),
         constexprs=dict(num_heads=p.hq, head_size=p.d, num_queries_per_kv=p.qpk, **p.layout,
                         BLOCK_SIZE=p.block_size, BLOCK_M=max(16, heads), BLOCK_N=_decode_block_n(p),
                         BLOCK_D=p.d_pad, HEADS=heads, CHUNK=config.chunk, CNT_CHUNK=64,
-                        NUM_SPLITS=splits, NUM_SUB=cdiv(n_chunks, splits), LSE_OFFSET=lse_offset,
+                        NUM_SPLITS=splits, S_P2=max(2, next_pow2(splits)),
+                        MERGE_HEADS=_heads_per_merge(heads, splits, p.d_pad),
+                        NUM_SUB=cdiv(n_chunks, splits), LSE_OFFSET=lse_offset,
                         EVEN_D=p.d_pad == p.d, IS_FP32=p.dtype == "float32",
                         QK_SCALE=p.qk_scale),
         num_warps=config.num_warps, num_stages=config.num_stages)
-    return (decode, _combine_launch(p, splits, lse_offset)) if splits > 1 else (decode,)
+    return (decode,)

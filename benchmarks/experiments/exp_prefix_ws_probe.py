@@ -24,6 +24,22 @@ import triton.language as tl
 
 
 @triton.jit
+def _step(q, k, dv, n0, acc, l_i, m_i, SCALE2: tl.constexpr):
+    """One key tile of the online softmax, unmasked: k loaded by the caller, V
+    rows n0 .. from ``dv`` loaded after the scores (the order the probes were
+    measured with; the compiled SASS is the same as with the step written out)."""
+    s = tl.dot(q, k.T) * SCALE2
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    v = dv.load([n0, 0])
+    acc = tl.dot(p.to(tl.bfloat16), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _fa_probe(q_ptr, k_ptr, v_ptr, o_ptr, NQ, NK, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
               WS: tl.constexpr, SCALE2: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -38,15 +54,7 @@ def _fa_probe(q_ptr, k_ptr, v_ptr, o_ptr, NQ, NK, D: tl.constexpr, BM: tl.conste
     acc = tl.zeros([BM, D], tl.float32)
     for n0 in tl.range(0, NK, BN, warp_specialize=WS):
         k = dk.load([n0, 0])
-        s = tl.dot(q, k.T) * SCALE2
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = dv.load([n0, 0])
-        acc = tl.dot(p.to(tl.bfloat16), v, acc)
-        m_i = m_new
+        acc, l_i, m_i = _step(q, k, dv, n0, acc, l_i, m_i, SCALE2)
     acc = acc / l_i[:, None]
     do.store([pid_m * BM, 0], acc.to(tl.bfloat16))
 
@@ -68,15 +76,7 @@ def _bs_probe(q_ptr, k_ptr, v_ptr, o_ptr, col_ptr, NQ, NK, NCOL, D: tl.constexpr
     for j in tl.range(0, NCOL, warp_specialize=WS):
         n0 = tl.load(p_col + j) * BN
         k = dk.load([n0, 0])
-        s = tl.dot(q, k.T) * SCALE2
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = dv.load([n0, 0])
-        acc = tl.dot(p.to(tl.bfloat16), v, acc)
-        m_i = m_new
+        acc, l_i, m_i = _step(q, k, dv, n0, acc, l_i, m_i, SCALE2)
     acc = acc / l_i[:, None]
     do.store([pid_m * BM, 0], acc.to(tl.bfloat16))
 

@@ -395,35 +395,15 @@ def _bsattn_fwd_program(
 
 
 @triton.jit
-def _combine_head(part_ptr, p_out, row0, m_d, NUM_SPLITS: tl.constexpr, S_P2: tl.constexpr,
-                  LSE_OFFSET: tl.constexpr, head_size: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One head's output from its NUM_SPLITS partial outputs, rows row0 ..
-    row0 + NUM_SPLITS - 1 of the scratch, weighted by their base-2 LSEs.
-    Loaded with .cg: written by other programs of this launch (L1 is not
-    coherent). S_P2: a power of two >= NUM_SPLITS."""
-    o_s = tl.arange(0, S_P2)
-    m_s = o_s < NUM_SPLITS
-    o_d = tl.arange(0, BLOCK_D)
-    rows = row0 + o_s
-    b_lse = tl.load(part_ptr + LSE_OFFSET + rows, mask=m_s, other=float("-inf"),
-                    cache_modifier=".cg")                                   # [S_P2]
-    m = _max(b_lse, 0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.math.exp2(b_lse - m_use)
-    w_sum = _sum(w, 0)
-    b_o = tl.load(part_ptr + rows.to(tl.int64)[:, None] * head_size + o_d[None, :],
-                  mask=m_s[:, None] & m_d[None, :], other=0.0, cache_modifier=".cg")  # [S_P2, BLOCK_D]
-    out = _sum(w[:, None] * b_o, 0) / tl.where(w_sum == 0.0, 1.0, w_sum)
-    tl.store(p_out, out.to(p_out.dtype.element_ty), mask=m_d)
-
-
-@triton.jit
 def _merge_heads(part_ptr, p_out, bh0, n_h, stride_oh, NUM_SPLITS: tl.constexpr, S_P2: tl.constexpr,
                  HC: tl.constexpr, LSE_OFFSET: tl.constexpr, head_size: tl.constexpr,
                  BLOCK_D: tl.constexpr):
-    """_combine_head for the min(n_h, HC) heads bh0, bh0 + 1, ... at once (p_out:
-    the first one's output row; the others follow at stride_oh): one round of
-    loads for all of them, not one per head."""
+    """The outputs of heads bh0, bh0 + 1, ... (min(n_h, HC) of them; p_out: the
+    first one's output row, the others follow at stride_oh), each from its
+    NUM_SPLITS partial outputs (scratch rows (bh0 + i) * NUM_SPLITS + s) weighted
+    by their base-2 LSEs; one round of loads for all of them. Loaded with .cg:
+    written by other programs of this launch (L1 is not coherent). S_P2: a power
+    of two >= NUM_SPLITS."""
     o_h = tl.arange(0, HC)
     o_s = tl.arange(0, S_P2)
     o_d = tl.arange(0, BLOCK_D)
@@ -557,8 +537,8 @@ def _bsattn_decode_kernel(
                          None, NUM_SPLITS)
     if NUM_SPLITS > 1:
         if _finish_decode(cnt_ptr, bh, NUM_SPLITS):
-            _combine_head(part_ptr, p_out, bh * NUM_SPLITS, m_d, NUM_SPLITS, S_P2, LSE_OFFSET,
-                          head_size, BLOCK_D)
+            _merge_heads(part_ptr, out_ptr + i_b.to(tl.int64) * stride_ot + i_h * stride_oh, bh, 1,
+                         stride_oh, NUM_SPLITS, S_P2, 1, LSE_OFFSET, head_size, BLOCK_D)
 
 
 @triton.jit

@@ -9,6 +9,12 @@ call of the op (``jax_us``, ``jax_x_triton``). Host time: enqueue time per call,
 waits). ``gpu_us``: the op's GPU time (CUDA events, L2 flushed), to tell a host-bound
 op from a kernel-bound one. ``wall_us``: CUDA-event time of back-to-back eager calls
 (host gaps included), for block-sparse decode 1x16384 (target <= 30 us).
+
+The floor of an eager call on this host, measured beside it: ``launcher_us``, the
+compiled kernels' own C launchers called with their final arguments (what is left
+when every line of Python is gone), ``alloc_us``, the ``torch.empty`` / ``torch.zeros``
+calls of the buffers the op returns or allocates per call, and ``floor_x`` = their sum
+/ ``triton_us``: the lowest ratio any Python wrapper of these launches could reach here.
 """
 from __future__ import annotations
 
@@ -19,24 +25,70 @@ import numpy as np
 
 from benchmarks import timing
 
-COLUMNS = ["name", "launches", "torch_us", "triton_us", "x_triton", "jax_us", "jax_x_triton", "gpu_us",
-           "wall_us", "error"]
+COLUMNS = ["name", "launches", "torch_us", "triton_us", "x_triton", "launcher_us", "alloc_us", "floor_x",
+           "jax_us", "jax_x_triton", "gpu_us", "wall_us", "error"]
 
 
 def _recorded(call):
-    """The (launch, args) of every kernel launch ``call`` makes through the torch executor."""
+    """The (launch, args) of every kernel launch ``call`` makes through the torch
+    executor, and ``floor``: (launchers, allocations), zero-argument callables that
+    make the same C launches and the same per-call allocations, nothing else."""
     from adapters.torch import _executor as ex
-    rec, orig = [], ex._launch
+    rec, launchers, allocs = [], [], []
+    orig_launch, orig_program = ex._launch, ex._program
 
     def spy(launch, recipe, env, runtime, device_index):
         rec.append((launch, ex._tensor_args(launch, env, runtime)))
-        return orig(launch, recipe, env, runtime, device_index)
-    ex._launch = spy
+        orig_launch(launch, recipe, env, runtime, device_index)
+        launchers.append(_direct(ex, recipe, env, runtime, device_index))
+
+    def program(plan):
+        prog = orig_program(plan)
+        allocs.extend(_alloc(ex, a) for a in prog.allocs if a[3] in (ex._EMPTY, ex._ZEROS))
+        return prog
+    ex._launch, ex._program = spy, program
     try:
         call()
     finally:
-        ex._launch = orig
-    return rec
+        ex._launch, ex._program = orig_launch, orig_program
+    return rec, (launchers, allocs)
+
+
+def _direct(ex, recipe, env, runtime, device_index):
+    """The cached compiled kernel's C launch of one recorded launch, arguments
+    prepared (None when the executor took Triton's regular path)."""
+    import torch
+    ptrs = [env[n].data_ptr() for n in recipe.ptr_names]
+    rts = [runtime[n] for n in recipe.rt_names]
+    entry = recipe.compiled.get(ex._spec(device_index, ptrs, rts))
+    if entry is None:
+        return None
+    stream, args = torch.cuda.current_stream(device_index).cuda_stream, recipe.getter(ptrs + rts + recipe.consts)
+    return lambda: entry(stream, args)
+
+
+def _alloc(ex, a):
+    import torch
+    name, shape, dtype, mode, _ = a
+    fn = torch.zeros if mode == ex._ZEROS else torch.empty
+    return lambda: fn(shape, dtype=dtype, device="cuda")
+
+
+def _floor_us(floor):
+    """Host time of the C launches alone and of the allocations alone (us per call)."""
+    from benchmarks import timing
+    launchers, allocs = floor
+    if not launchers or any(f is None for f in launchers):
+        return None, None
+
+    def launch_all():
+        for f in launchers:
+            f()
+
+    def alloc_all():
+        return [f() for f in allocs]
+    return (timing.host_overhead(launch_all, "torch") * 1e6,
+            timing.host_overhead(alloc_all, "torch") * 1e6 if allocs else 0.0)
 
 
 def _plain(rec):
@@ -125,13 +177,16 @@ def run():
             row = dict(name=name)
             try:
                 call()
-                rec = _recorded(call)
+                rec, floor = _recorded(call)
                 plain = _plain(rec)
                 plain()  # compiled by now (the op compiled the same kernels)
                 row["launches"] = len(rec)
                 row["torch_us"] = timing.host_overhead(call, "torch") * 1e6
                 row["triton_us"] = timing.host_overhead(plain, "torch") * 1e6
                 row["x_triton"] = row["torch_us"] / row["triton_us"]
+                row["launcher_us"], row["alloc_us"] = _floor_us(floor)
+                if row["launcher_us"] is not None:
+                    row["floor_x"] = (row["launcher_us"] + row["alloc_us"]) / row["triton_us"]
                 row["gpu_us"] = timing.kernel_time_torch(call) * 1e6
                 if "decode 1x16384" in name:
                     row["wall_us"] = _wall_us(call)

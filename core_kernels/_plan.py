@@ -258,6 +258,8 @@ def as_int(name: str, value, lo: int | None = None, hi: int = INT64_MAX, what: s
     2.0 alike: no silent rounding). TypeError for the wrong type, ValueError
     outside [lo, hi] (``hi`` defaults to int64's largest value; pass INT32_MAX
     where a kernel holds the value in int32). ``what`` names the bound in messages."""
+    if type(value) is int and (lo is None or value >= lo) and value <= hi:
+        return value  # the usual case, first: this runs on every call of an op
     if _is_bool(value):
         raise TypeError(f"{name}: expected an int, got the bool {value!r}")
     try:

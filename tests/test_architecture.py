@@ -374,3 +374,102 @@ def test_placeholder_buffers_only_where_no_launch_touches_them():
     dec = plan_blocksparse_attention(h200, *args, None, *layout, block_size=64, max_seqlen=4096)
     part = dec.buffers["partials"]
     assert part.placeholder == (part.shape == (1,))
+
+
+def test_cached_launch_arguments_follow_the_kernel_signature(monkeypatch):
+    """The torch executor's cached-launcher path (GPU) hands the compiled
+    kernel's C launcher one argument per kernel parameter, constexprs included,
+    in the kernel's order: each pointer the data pointer of the buffer its
+    parameter names, each scalar its plan-time or runtime value. Checked for
+    the GPU plans of every op's host-bench case (planned for an H200 on this
+    machine, launches not run) against the kernels' own signatures."""
+    import inspect
+
+    import torch
+
+    from adapters.torch import _executor as ex
+    from benchmarks.experiments.exp_host_python import cases
+
+    h200 = Target("cuda", 90, 132, gluon=True)
+    monkeypatch.setattr(ex, "_PLANS", {})
+    monkeypatch.setattr(ex, "target_for", lambda device: h200)
+    monkeypatch.setattr(ex, "interpret_requested", lambda: True)  # CPU tensors on a GPU machine too
+    seen = []
+
+    def record(plan, tensors, runtime=None, device=None):
+        seen.append((plan, dict(tensors), runtime or {}))
+        raise _Planned
+    import adapters.torch as at
+    for module in ("_ops_merge", "_ops_lightning", "_ops_lightning_varlen", "_ops_prefix_prefill",
+                   "_ops_blocksparse"):
+        monkeypatch.setattr(getattr(at, module), "run_plan", record)
+    with torch.inference_mode():
+        for name, call in cases():
+            with pytest.raises(_Planned):
+                call()
+    assert len(seen) == 7 and sum(len(p.launches) for p, _, _ in seen) >= 7
+    rng_ = np.random.default_rng()
+    for plan, tensors, runtime in seen:
+        env = {n: t for n, t in tensors.items() if t is not None}
+        for name, buf in plan.buffers.items():  # offsets: pointers that differ from every other
+            flat = torch.empty(int(np.prod(buf.shape)) + 64, dtype=ex.TORCH_DTYPES[buf.dtype])
+            env[name] = flat[int(rng_.integers(1, 64)):]
+        runtime = {**runtime, **{a.value: int(rng_.integers(2, 1000)) for la in plan.launches
+                                 for a in la.params.values() if isinstance(a, Scalar) and isinstance(a.value, str)
+                                 and runtime.get(a.value) is None}}
+        for launch in plan.launches:
+            recipe = ex._Recipe(launch)
+            ptrs = [env[n].data_ptr() for n in recipe.ptr_names]
+            got = recipe.getter(ptrs + [runtime[n] for n in recipe.rt_names] + recipe.consts)
+            want = []
+            for pname, p in inspect.signature(launch.kernel.fn).parameters.items():
+                if "constexpr" in str(p.annotation):
+                    want.append(launch.constexprs[pname])
+                    continue
+                a = launch.params[pname]
+                want.append(env[a].data_ptr() if isinstance(a, str)
+                            else runtime[a.value] if isinstance(a.value, str) else a.value)
+            assert list(got) == want, launch.kernel.fn.__name__
+
+
+class _Planned(Exception):
+    pass
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_gpu_cached_launcher_respecialises_and_yields_to_hooks():
+    """The cached-launcher path (GPU): a call whose pointer alignment or runtime
+    integer (1 vs others) differs from the cached one gets its own compiled
+    kernel, and installed Triton launch hooks (profilers) see every launch."""
+    import torch
+    import triton
+
+    import adapters.torch as at
+    n, h, d = 9, 4, 64
+    base = torch.randn(3, n * h * d + 8, device="cuda")
+    pl, sl = torch.randn(2, h, n, device="cuda")
+
+    def ref(po, so, ptwc):
+        m = torch.maximum(pl, sl)
+        wp, ws = torch.exp(pl - m), torch.exp(sl - m)
+        out = (po * wp.T[..., None] + so * ws.T[..., None]) / (wp + ws).T[..., None]
+        out[ptwc:] = so[ptwc:]
+        return out
+    calls = []
+
+    def hook(*args):
+        calls.append(args)
+    for offset, ptwc, hooked in ((0, 3, False), (1, 3, False), (0, 1, False), (1, 1, True), (0, 3, True),
+                                 (0, 3, False), (1, 1, False)):
+        po, so, out = (base[i, offset:offset + n * h * d].view(n, h, d) for i in range(3))
+        out.fill_(float("nan"))
+        if hooked:
+            triton.knobs.runtime.launch_enter_hook.add(hook)
+        try:
+            before = len(calls)
+            at.merge_attn_states(out, po, pl, so, sl, prefill_tokens_with_context=ptwc)
+            torch.cuda.synchronize()
+        finally:
+            triton.knobs.runtime.launch_enter_hook.remove(hook)
+        assert len(calls) - before == (1 if hooked else 0)
+        torch.testing.assert_close(out, ref(po, so, ptwc), atol=2e-5, rtol=2e-5)

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import os
 
 import torch
 
 from core_kernels._interpret import INTERPRETER_LOCK, interpreted
-from core_kernels._plan import ArrayInfo, Plan, Scalar
+from core_kernels._plan import ArrayInfo, Plan, Scalar, kernel_signature
 from core_kernels._target import Target
 
 TORCH_DTYPES = {
@@ -82,14 +83,10 @@ _PLANS = {}
 _PLANS_MAX = 4096
 
 
-def _meta(t):
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
-
-
-def planned(planner, tensors: dict, *, check_also: dict | None = None, **options):
+def planned(planner, tensors: dict, **options):
     """(plan, device): ``planner(target, *ArrayInfos, **options)`` over ``tensors``
     (name -> tensor or None, in the planner's positional order), after
-    check_devices over them and ``check_also`` (tensors the plan does not take).
+    check_devices over them.
 
     Cached by each tensor's raw (shape, strides, dtype, device) and the
     options, so a repeated call with the same layouts (every decode step) skips
@@ -97,15 +94,14 @@ def planned(planner, tensors: dict, *, check_also: dict | None = None, **options
     hashing. NOTE: that was ~11 us of a ~65 us block-sparse decode call's host
     time on the H200 machine. A failing check or plan is never cached.
     """
-    extra = check_also or {}
     try:
-        key = (planner, tuple(map(_meta, tensors.values())), tuple(map(_meta, extra.values())),
-               tuple(options.items()))
+        key = (planner, *[None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+                          for t in tensors.values()], *options.items())
         hit = _PLANS.get(key)
     except (AttributeError, TypeError):  # not tensors / unhashable: the checks below say why
         key, hit = None, None
     if hit is None:
-        device = check_devices(**tensors, **extra)
+        device = check_devices(**tensors)
         plan = planner(target_for(device), *(None if t is None else info(t) for t in tensors.values()),
                        **options)
         hit = (plan, device)
@@ -118,39 +114,53 @@ def planned(planner, tensors: dict, *, check_also: dict | None = None, **options
 
 def run_plan(plan: Plan, tensors: dict, runtime: dict | None = None,
              device: torch.device | None = None) -> dict:
-    """Allocate ``plan.buffers``, run its launches; returns every buffer by name."""
-    env = dict(tensors)
+    """Allocate ``plan.buffers``, run its launches; returns every buffer by name
+    (with ``tensors``: entries that are None are never read)."""
     if device is None:
         device = next(t.device for t in tensors.values() if isinstance(t, torch.Tensor))
-    capturing = None
-    for name, buf in plan.buffers.items():
-        if device.type == "cuda":
-            if buf.placeholder:
-                env[name] = _placeholder(device, buf.dtype)
-                continue
-            if buf.per_stream:
+    if device.type != "cuda":
+        return _run_interpreted(plan, tensors, runtime, device)
+    prog = _program(plan)
+    env = tensors
+    if prog.allocs:
+        env = dict(tensors)
+        capturing = None
+        for name, shape, dtype, mode, buf in prog.allocs:
+            if mode is _PER_STREAM:
                 if capturing is None:
                     capturing = torch.cuda.is_current_stream_capturing()
                 if not capturing:
                     env[name] = _stream_scratch(device, name, buf)
                     continue
+                mode = _ZEROS if buf.zero_init else _EMPTY
+            if mode is _EMPTY:
+                env[name] = torch.empty(shape, dtype=dtype, device=device)
+            elif mode is _ZEROS:
+                env[name] = torch.zeros(shape, dtype=dtype, device=device)
+            else:
+                env[name] = _placeholder(device, buf.dtype)
+    index = device.index
+    if index is None:
+        index = torch.cuda.current_device()
+    if index != _current_device():
+        with torch.cuda.device(device):
+            for launch, recipe in prog.launches:
+                _launch(launch, recipe, env, runtime, index)
+    else:
+        for launch, recipe in prog.launches:
+            _launch(launch, recipe, env, runtime, index)
+    return env
+
+
+def _run_interpreted(plan, tensors, runtime, device) -> dict:
+    env = dict(tensors)
+    for name, buf in plan.buffers.items():
         alloc = torch.zeros if buf.zero_init else torch.empty
         env[name] = alloc(buf.shape, dtype=TORCH_DTYPES[buf.dtype], device=device)
-    interpret = device.type == "cpu"
-    if interpret:
-        for launch in plan.launches:
-            with INTERPRETER_LOCK:  # the interpreter is not thread-safe (core_kernels._interpret)
-                interpreted(launch.kernel)[launch.grid](*_tensor_args(launch, env, runtime),
-                                                       **launch.constexprs)
-        return env
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    switch = index != torch.cuda.current_device()
-    for launch, recipe in zip(plan.launches, _recipes(plan)):
-        if switch:
-            with torch.cuda.device(device):
-                _launch(launch, recipe, env, runtime, index)
-        else:
-            _launch(launch, recipe, env, runtime, index)
+    for launch in plan.launches:
+        with INTERPRETER_LOCK:  # the interpreter is not thread-safe (core_kernels._interpret)
+            interpreted(launch.kernel)[launch.grid](*_tensor_args(launch, env, runtime),
+                                                   **launch.constexprs)
     return env
 
 
@@ -206,59 +216,103 @@ def _stream_scratch(device, name: str, buf) -> torch.Tensor:
     return view
 
 
+# How run_plan makes a buffer (_Program.allocs).
+_EMPTY, _ZEROS, _PLACEHOLDER, _PER_STREAM = "empty", "zeros", "placeholder", "per_stream"
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+class _Program:
+    """A plan's GPU run, worked out once: the buffers to make, as (name, shape,
+    torch dtype, mode, Buffer), and the launches with their recipes."""
+    __slots__ = ("plan", "allocs", "launches")
+
+    def __init__(self, plan):
+        self.plan = plan
+        self.allocs = tuple(
+            (name, tuple(buf.shape), TORCH_DTYPES[buf.dtype],
+             _PLACEHOLDER if buf.placeholder else _PER_STREAM if buf.per_stream
+             else _ZEROS if buf.zero_init else _EMPTY, buf)
+            for name, buf in plan.buffers.items())
+        self.launches = tuple((launch, _Recipe(launch)) for launch in plan.launches)
+
+
 class _Recipe:
-    """A launch's arguments as positions: the buffer names of its pointers, the
-    runtime names of its per-call scalars, and a template with the plan-time
-    scalars in place."""
-    __slots__ = ("ptr_pos", "ptr_names", "rt_pos", "rt_names", "template")
+    """A launch's arguments as the compiled kernel's C launcher takes them, in
+    the kernel's parameter order, constexprs included: ``getter`` picks them
+    from ``[data pointers of ptr_names] + [runtime values of rt_names] + consts``
+    (the plan-time scalars and the constexprs). ``compiled``: the launch's
+    compiled kernels by specialisation (_spec)."""
+    __slots__ = ("ptr_names", "tensors", "rt_names", "getter", "consts", "compiled")
 
     def __init__(self, launch):
-        self.ptr_pos, self.ptr_names, self.rt_pos, self.rt_names, self.template = [], [], [], [], []
-        for i, a in enumerate(list(launch.args) + list(launch.outputs)):
-            if isinstance(a, Scalar):
-                if isinstance(a.value, str):
-                    self.rt_pos.append(i)
-                    self.rt_names.append(a.value)
-                self.template.append(None if isinstance(a.value, str) else a.value)
+        order = []  # per parameter: ("p" | "r" | "c", index)
+        ptrs, rts, consts = [], [], []
+        for name, const, _ in kernel_signature(launch.kernel):
+            if const:
+                order.append(("c", len(consts)))
+                consts.append(launch.constexprs[name])
+                continue
+            a = launch.params[name]
+            if isinstance(a, str):
+                order.append(("p", len(ptrs)))
+                ptrs.append(a)
+            elif isinstance(a.value, str):
+                order.append(("r", len(rts)))
+                rts.append(a.value)
             else:
-                self.ptr_pos.append(i)
-                self.ptr_names.append(a)
-                self.template.append(None)
+                order.append(("c", len(consts)))
+                consts.append(a.value)
+        base = {"p": 0, "r": len(ptrs), "c": len(ptrs) + len(rts)}
+        index = [base[kind] + i for kind, i in order]
+        self.getter = operator.itemgetter(*index) if len(index) > 1 else (lambda s, i=index[0]: (s[i],))
+        self.ptr_names, self.rt_names, self.consts = tuple(ptrs), tuple(rts), consts
+        self.tensors = operator.itemgetter(*ptrs) if len(ptrs) > 1 else (lambda env, n=ptrs[0]: (env[n],)) \
+            if ptrs else (lambda env: ())
+        self.compiled = {}
 
 
-# Recipes by plan (plans are cached, so few): id -> (plan, recipes); the plan is
-# kept so that its id cannot be reused while the entry lives.
-_RECIPES = {}
+# Programs by plan (plans are cached, so few): id -> _Program, which keeps the
+# plan so that its id cannot be reused while the entry lives.
+_PROGRAMS = {}
 
 
-def _recipes(plan) -> list:
-    hit = _RECIPES.get(id(plan))
-    if hit is None or hit[0] is not plan:
-        if len(_RECIPES) >= _PLANS_MAX:
-            _RECIPES.clear()
-        hit = _RECIPES[id(plan)] = (plan, [_Recipe(launch) for launch in plan.launches])
-    return hit[1]
+def _program(plan) -> _Program:
+    prog = _PROGRAMS.get(id(plan))
+    if prog is None or prog.plan is not plan:
+        if len(_PROGRAMS) >= _PLANS_MAX:
+            _PROGRAMS.clear()
+        prog = _PROGRAMS[id(plan)] = _Program(plan)
+    return prog
 
 
-# Compiled kernels by (launch, device, specialisation): a cached plan's launch
-# goes straight to the compiled kernel's C launcher, skipping JITFunction.run's
-# argument binding and cache-key hashing (the bulk of a Triton launch's host time),
-# with the pointers passed as integers: the launcher then neither calls data_ptr()
-# nor asks the driver about each pointer (cuPointerGetAttribute); the devices
-# were checked when the plan was made.
-_COMPILED = {}
+# A cached plan's launch goes straight to the compiled kernel's C launcher,
+# skipping JITFunction.run's argument binding and cache-key hashing (the bulk of
+# a Triton launch's host time), with the pointers passed as integers: the
+# launcher then neither calls data_ptr() nor asks the driver about each pointer
+# (cuPointerGetAttribute); the devices were checked when the plan was made.
 _FAST_PATH = True
+_data_ptr = torch.Tensor.data_ptr
 
 
-def _spec_key(launch, device_index, ptrs, rts):
-    """What Triton specialises on that can change between calls of one plan:
-    pointer alignment, and runtime integers equal to 1 or past int32 (never their
-    divisibility: the integer policy of core_kernels._triton_utils.jit)."""
-    return (launch, device_index, tuple(p & 15 == 0 for p in ptrs),
+def _spec(device_index, ptrs, rts):
+    """What Triton specialises on that can change between calls of one launch:
+    pointer alignment and runtime integers equal to 1 or past int32 (never their
+    divisibility: the integer policy of core_kernels._triton_utils.jit). The
+    usual case, every pointer 16-byte aligned and no runtime integer, is the
+    device index alone."""
+    aligned = not (_reduce(_or, ptrs, 0) & 15)
+    if aligned and not rts:
+        return device_index
+    return (device_index, True if aligned else tuple(p & 15 == 0 for p in ptrs),
             tuple((v == 1, -2 ** 31 <= v < 2 ** 31) if isinstance(v, int) else None for v in rts))
 
 
+_reduce, _or = functools.reduce, operator.or_
+
+
 _KNOBS = None
+_HOOK_CHAIN = None
 
 
 def _hooks_set() -> bool:
@@ -266,24 +320,27 @@ def _hooks_set() -> bool:
     them as HookChain objects that are never None, empty when unused; comparing
     with None had disabled the fast path below on every launch (H200: 67 us of
     host time per decode call instead of ~7 us)."""
-    global _KNOBS
+    global _KNOBS, _HOOK_CHAIN
     if _KNOBS is None:
         import triton
         _KNOBS = triton.knobs.runtime
-    return any(h is not None and bool(getattr(h, "calls", True))
-               for h in (_KNOBS.launch_enter_hook, _KNOBS.launch_exit_hook))
+        _HOOK_CHAIN = getattr(triton.knobs, "HookChain", None)
+    for h in (_KNOBS.launch_enter_hook, _KNOBS.launch_exit_hook):
+        if h is not None and (type(h) is not _HOOK_CHAIN or h.calls):
+            return True
+    return False
 
 
 class _Compiled:
-    """A compiled kernel's launcher with its fixed arguments. ``raw``: the C
-    launch function itself, where the kernel needs no scratch allocation (else
-    the launcher object, which allocates it)."""
-    __slots__ = ("run", "raw", "function", "meta", "grid", "constexprs", "coop", "pdl")
+    """A compiled kernel's launcher: ``raw``, the C launch function itself, where
+    the kernel needs no scratch allocation (else the launcher object, which
+    allocates it)."""
+    __slots__ = ("run", "raw", "function", "meta", "grid", "coop", "pdl")
 
-    def __init__(self, compiled, grid, constexprs):
+    def __init__(self, compiled, grid):
         run = compiled.run
         self.run, self.function, self.meta = run, compiled.function, compiled.packed_metadata
-        self.grid, self.constexprs = grid, constexprs
+        self.grid = grid
         no_scratch = not getattr(run, "global_scratch_size", 1) and not getattr(run, "profile_scratch_size", 1)
         self.raw = getattr(run, "launch", None) if no_scratch else None
         self.coop = getattr(run, "launch_cooperative_grid", False)
@@ -293,36 +350,33 @@ class _Compiled:
         g = self.grid
         if self.raw is not None:
             self.raw(g[0], g[1], g[2], stream, self.function, self.coop, self.pdl, None, None, self.meta,
-                     None, None, None, *args, *self.constexprs)
+                     None, None, None, *args)
         else:
-            self.run(g[0], g[1], g[2], stream, self.function, self.meta, None, None, None, *args,
-                     *self.constexprs)
+            self.run(g[0], g[1], g[2], stream, self.function, self.meta, None, None, None, *args)
 
 
 def _launch(launch, recipe, env, runtime, device_index):
     global _FAST_PATH
     if _FAST_PATH:
-        ptrs = [env[n].data_ptr() for n in recipe.ptr_names]
-        rts = [runtime[n] for n in recipe.rt_names]
-        key = _spec_key(launch, device_index, ptrs, rts)
-        entry = _COMPILED.get(key)
+        ptrs = list(map(_data_ptr, recipe.tensors(env)))
+        if recipe.rt_names:
+            rts = [runtime[n] for n in recipe.rt_names]
+            key, values = _spec(device_index, ptrs, rts), ptrs + rts + recipe.consts
+        else:
+            key = device_index if not (_reduce(_or, ptrs, 0) & 15) else _spec(device_index, ptrs, ())
+            values = ptrs + recipe.consts
+        entry = recipe.compiled.get(key)
         if entry is not None and not _hooks_set():
-            args = list(recipe.template)
-            for i, p in zip(recipe.ptr_pos, ptrs):
-                args[i] = p
-            for i, v in zip(recipe.rt_pos, rts):
-                args[i] = v
-            entry(torch._C._cuda_getCurrentRawStream(device_index), args)
+            entry(_raw_stream(device_index), recipe.getter(values))
             return
     compiled = launch.kernel[launch.grid](*_tensor_args(launch, env, runtime), **launch.constexprs,
                                           num_warps=launch.num_warps, num_stages=launch.num_stages)
     if not _FAST_PATH or _hooks_set():
         return  # the regular path calls the hooks
     try:
-        if not hasattr(compiled, "packed_metadata"):
+        if not hasattr(compiled, "packed_metadata") or _raw_stream is None:
             raise AttributeError("unknown launcher")
-        names = launch.kernel.arg_names[len(launch.args) + len(launch.outputs):]
         grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
-        _COMPILED[key] = _Compiled(compiled, grid, tuple(launch.constexprs[n] for n in names))
+        recipe.compiled[key] = _Compiled(compiled, grid)
     except (AttributeError, KeyError):
         _FAST_PATH = False  # another Triton version: always take the regular path

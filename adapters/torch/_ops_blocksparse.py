@@ -25,14 +25,10 @@ def _bsattn_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_k
                  cu_seqlens_q: Optional[torch.Tensor], crow: torch.Tensor, col: torch.Tensor,
                  sm_scale: Optional[float], block_size: int, q_block_size: Optional[int],
                  max_seqlen: Optional[int], config: Optional[str]) -> torch.Tensor:
-    plan, device = planned(plan_blocksparse_attention,
-                           dict(q=q, k=k, v=v, cu_seqlens_k=cu_seqlens_k, cu_seqlens_q=cu_seqlens_q,
-                                crow=crow, col=col),
+    tensors = dict(q=q, k=k, v=v, cu_seqlens_k=cu_seqlens_k, cu_seqlens_q=cu_seqlens_q, crow=crow, col=col)
+    plan, device = planned(plan_blocksparse_attention, tensors,
                            sm_scale=sm_scale, block_size=block_size, q_block_size=q_block_size,
                            max_seqlen=max_seqlen, config=decode_config(config))
-    tensors = dict(q=q, k=k, v=v, cu_seqlens_k=cu_seqlens_k, crow=crow, col=col)
-    if cu_seqlens_q is not None:
-        tensors["cu_seqlens_q"] = cu_seqlens_q
     return run_plan(plan, tensors, None, device)["output"]
 
 

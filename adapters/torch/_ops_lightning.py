@@ -20,12 +20,10 @@ from ._register import custom_op
 def _prefill_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.Tensor,
                   block_size: int, kv_history: Optional[torch.Tensor],
                   output_final_state_only: bool, config: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    plan, device = planned(plan_lightning_attention, dict(q=q, k=k, v=v, ed=ed, kv_history=kv_history),
+    tensors = dict(q=q, k=k, v=v, ed=ed, kv_history=kv_history)
+    plan, device = planned(plan_lightning_attention, tensors,
                            block_size=block_size, output_final_state_only=output_final_state_only,
                            config=decode_config(config))
-    tensors = dict(q=q, k=k, v=v, ed=ed)
-    if kv_history is not None:
-        tensors["kv_history"] = kv_history
     env = run_plan(plan, tensors, device=device)
     return env["output"], env["kv"]
 
@@ -47,7 +45,7 @@ def _backward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.
                   grad_kv=grad_kv)
     plan, device = planned(plan_lightning_attention_backward, arrays, block_size=block_size,
                            output_final_state_only=output_final_state_only, need_grad_ed=need_grad_ed)
-    env = run_plan(plan, {n: t for n, t in arrays.items() if t is not None}, device=device)
+    env = run_plan(plan, arrays, device=device)
     return tuple(env[r] for r in plan.results)
 
 
@@ -129,13 +127,11 @@ def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: t
 
 def _decode_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_caches: torch.Tensor,
                  slope_rate: torch.Tensor, slot_idx: torch.Tensor, config: Optional[str]) -> torch.Tensor:
-    plan, device = planned(plan_linear_decode, dict(q=q, k=k, v=v, kv_caches=kv_caches,
-                                                    slope_rate=slope_rate, slot_idx=slot_idx),
-                           config=decode_config(config))
+    tensors = dict(q=q, k=k, v=v, kv_caches=kv_caches, slope_rate=slope_rate, slot_idx=slot_idx)
+    plan, device = planned(plan_linear_decode, tensors, config=decode_config(config))
     if device.type == "cpu":  # host data: checking costs no device sync
         check_slot_ids(slot_idx.numpy(), kv_caches.shape[0])
-    env = run_plan(plan, dict(q=q, k=k, v=v, kv_caches=kv_caches, slope_rate=slope_rate,
-                              slot_idx=slot_idx), device=device)
+    env = run_plan(plan, tensors, device=device)
     return env["output"]
 
 

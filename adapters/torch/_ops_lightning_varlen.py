@@ -24,7 +24,7 @@ def _run(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config):
         check_varlen_host_data(cu_seqlens.numpy(), q.shape[0],
                                None if slot_idx is None else slot_idx.numpy(),
                                0 if kv_cache is None else kv_cache.shape[0])
-    return run_plan(plan, {n: t for n, t in tensors.items() if t is not None}, device=device)
+    return run_plan(plan, tensors, device=device)
 
 
 def _states_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.Tensor,
@@ -57,7 +57,7 @@ def _backward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.
     tensors = dict(q=q, k=k, v=v, ed=ed, cu_seqlens=cu_seqlens, kv=kv, grad_output=grad_output,
                    grad_kv=grad_kv, kv_history=kv_history)
     plan, device = planned(plan_lightning_attention_varlen_backward, tensors, need_grad_ed=need_grad_ed)
-    env = run_plan(plan, {n: t for n, t in tensors.items() if t is not None}, device=device)
+    env = run_plan(plan, tensors, device=device)
     return tuple(env[r] for r in plan.results)
 
 

@@ -20,18 +20,22 @@ def _num_ctx(count, prefill_tokens_with_context) -> str:
     return "array" if count is not None else "none" if prefill_tokens_with_context is None else "scalar"
 
 
+_NO_COUNT = {"prefill_tokens_with_context": None}
+
+
 def _run(plan_fn, arrays: dict, prefill_tokens_with_context: Optional[int], config: Optional[str]):
     """Plan ``plan_fn`` over ``arrays`` (name -> tensor or None = absent; the
     token count tensor as "prefill_tokens_with_context") and run it; returns
     (plan, env). The forward, functional and backward ops all go through here."""
-    count = arrays.get("prefill_tokens_with_context")  # device data (a tensor), never read on the host
+    count = arrays["prefill_tokens_with_context"]  # device data (a tensor), never read on the host
     plan, device = planned(plan_fn, arrays, num_ctx=_num_ctx(count, prefill_tokens_with_context),
-                           config=decode_config(config))
-    if prefill_tokens_with_context is not None:  # a host int: checked here, after the shapes
+                           config=None if config is None else decode_config(config))
+    if prefill_tokens_with_context is None:
+        runtime = _NO_COUNT
+    else:  # a host int: checked here, after the shapes
         check_prefill_tokens_with_context(prefill_tokens_with_context, arrays["prefix_output"].shape[0])
-    env = run_plan(plan, {n: t for n, t in arrays.items() if t is not None},
-                   {"prefill_tokens_with_context": prefill_tokens_with_context}, device)
-    return plan, env
+        runtime = {"prefill_tokens_with_context": prefill_tokens_with_context}
+    return plan, run_plan(plan, arrays, runtime, device)
 
 
 def _merge_impl(output: torch.Tensor, prefix_output: torch.Tensor, prefix_lse: torch.Tensor,

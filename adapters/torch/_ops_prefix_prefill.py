@@ -33,7 +33,7 @@ def _impl(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                            sm_scale=sm_scale, skip_decode=skip_decode, causal=causal,
                            interleaved_v_pack_factor=interleaved_v_pack_factor,
                            is_block_table_ptr=is_block_table_ptr, config=decode_config(config))
-    run_plan(plan, {n: t for n, t in tensors.items() if t is not None}, device=device)
+    run_plan(plan, tensors, device=device)
 
 
 _op = custom_op("context_attention_fwd", _impl, mutates_args=("o",))

@@ -36,12 +36,12 @@ def main():
     qp, kp, vp = (torch.randn(1, 64, 1024, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     pre = lambda: at.lightning_attention(qp, kp, vp, slope, 256, None, True)  # noqa: E731
     print("decode host us", host_us(dec), "prefill host us", host_us(pre), "fast", ex._FAST_PATH,
-          "compiled", len(ex._COMPILED), flush=True)
+          "compiled", sum(len(r.compiled) for p in ex._PROGRAMS.values() for _, r in p.launches), flush=True)
     import jax  # noqa: F401
     import adapters.jax as aj
     aj.lightning_attention(*(jax.dlpack.from_dlpack(x) for x in (qp, kp, vp, slope)))
     print("after jax: decode host us", host_us(dec), "prefill host us", host_us(pre), "fast", ex._FAST_PATH,
-          "compiled", len(ex._COMPILED), flush=True)
+          "compiled", sum(len(r.compiled) for p in ex._PROGRAMS.values() for _, r in p.launches), flush=True)
 
 
 if __name__ == "__main__":

@@ -25,21 +25,15 @@ def main():
           per_call_us(lambda: torch.empty((64, 8, 128), device="cuda", dtype=torch.bfloat16)))
     with torch.inference_mode():
         for name, call, _ in _cases():
-            rec = _recorded(call)
-            print(f"\n=== {name}: {per_call_us(call):.1f} us/call, fast path {ex._FAST_PATH}, "
-                  f"compiled entries {len(ex._COMPILED)}", flush=True)
-            for launch, args in rec:
-                key = ex._spec_key(launch, args, 0)
-                entry = ex._COMPILED.get(key)
-                if entry is None:
+            rec, (launchers, allocs) = _recorded(call)
+            print(f"\n=== {name}: {per_call_us(call):.1f} us/call, fast path {ex._FAST_PATH}", flush=True)
+            for (launch, _), launcher in zip(rec, launchers):
+                if launcher is None:
                     print("  no cached launcher for", launch.kernel.fn.__name__)
                     continue
-                compiled, grid, constexprs = entry
-                stream = torch._C._cuda_getCurrentRawStream(0)
-                raw = per_call_us(lambda: compiled.run(grid[0], grid[1], grid[2], stream, compiled.function,
-                                                       compiled.packed_metadata, None, None, None, *args,
-                                                       *constexprs))
-                print(f"  raw launcher {launch.kernel.fn.__name__}: {raw:.1f} us")
+                print(f"  raw launcher {launch.kernel.fn.__name__}: {per_call_us(launcher):.1f} us")
+            for alloc in allocs:
+                print(f"  allocation: {per_call_us(alloc):.1f} us")
             pr = cProfile.Profile()
             pr.enable()
             for _ in range(1000):

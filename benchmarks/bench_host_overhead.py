@@ -13,8 +13,12 @@ op from a kernel-bound one. ``wall_us``: CUDA-event time of back-to-back eager c
 The floor of an eager call on this host, measured beside it: ``launcher_us``, the
 compiled kernels' own C launchers called with their final arguments (what is left
 when every line of Python is gone), ``alloc_us``, the ``torch.empty`` / ``torch.zeros``
-calls of the buffers the op returns or allocates per call, and ``floor_x`` = their sum
-/ ``triton_us``: the lowest ratio any Python wrapper of these launches could reach here.
+calls of the buffers the op returns or allocates per call, ``check_us``, the layout
+read that a call which checks its arguments cannot skip (shape, strides, dtype and
+device of each argument tensor the launches read or write, hashed into one key and
+looked up in a dict: what the plan cache does on a hit), and ``floor_x`` = their sum
+/ ``triton_us``: the lowest ratio a Python wrapper that checks its arguments could
+reach here; the rest of ``torch_us`` is the op's own Python.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import numpy as np
 
 from benchmarks import timing
 
-COLUMNS = ["name", "launches", "torch_us", "triton_us", "x_triton", "launcher_us", "alloc_us", "floor_x",
+COLUMNS = ["name", "launches", "torch_us", "triton_us", "x_triton", "launcher_us", "alloc_us", "check_us", "floor_x",
            "jax_us", "jax_x_triton", "gpu_us", "wall_us", "error"]
 
 
@@ -34,24 +38,26 @@ def _recorded(call):
     executor, and ``floor``: (launchers, allocations), zero-argument callables that
     make the same C launches and the same per-call allocations, nothing else."""
     from adapters.torch import _executor as ex
-    rec, launchers, allocs = [], [], []
+    rec, launchers, allocs, buffers, inputs = [], [], [], set(), {}
     orig_launch, orig_program = ex._launch, ex._program
 
     def spy(launch, recipe, env, runtime, device_index):
         rec.append((launch, ex._tensor_args(launch, env, runtime)))
         orig_launch(launch, recipe, env, runtime, device_index)
         launchers.append(_direct(ex, recipe, env, runtime, device_index))
+        inputs.update((n, env[n]) for n in recipe.ptr_names if n not in buffers)
 
     def program(plan):
         prog = orig_program(plan)
         allocs.extend(_alloc(ex, a) for a in prog.allocs if a[3] in (ex._EMPTY, ex._ZEROS))
+        buffers.update(plan.buffers)
         return prog
     ex._launch, ex._program = spy, program
     try:
         call()
     finally:
         ex._launch, ex._program = orig_launch, orig_program
-    return rec, (launchers, allocs)
+    return rec, (launchers, allocs, list(inputs.values()))
 
 
 def _direct(ex, recipe, env, runtime, device_index):
@@ -77,9 +83,9 @@ def _alloc(ex, a):
 def _floor_us(floor):
     """Host time of the C launches alone and of the allocations alone (us per call)."""
     from benchmarks import timing
-    launchers, allocs = floor
+    launchers, allocs, inputs = floor
     if not launchers or any(f is None for f in launchers):
-        return None, None
+        return None, None, None
 
     def launch_all():
         for f in launchers:
@@ -87,8 +93,13 @@ def _floor_us(floor):
 
     def alloc_all():
         return [f() for f in allocs]
+
+    def key():
+        return (_floor_us, *[(t.shape, t.stride(), t.dtype, t.device) for t in inputs])
+    cache = {key(): True}
     return (timing.host_overhead(launch_all, "torch") * 1e6,
-            timing.host_overhead(alloc_all, "torch") * 1e6 if allocs else 0.0)
+            timing.host_overhead(alloc_all, "torch") * 1e6 if allocs else 0.0,
+            timing.host_overhead(lambda: cache.get(key()), "torch") * 1e6)
 
 
 def _plain(rec):
@@ -184,9 +195,9 @@ def run():
                 row["torch_us"] = timing.host_overhead(call, "torch") * 1e6
                 row["triton_us"] = timing.host_overhead(plain, "torch") * 1e6
                 row["x_triton"] = row["torch_us"] / row["triton_us"]
-                row["launcher_us"], row["alloc_us"] = _floor_us(floor)
+                row["launcher_us"], row["alloc_us"], row["check_us"] = _floor_us(floor)
                 if row["launcher_us"] is not None:
-                    row["floor_x"] = (row["launcher_us"] + row["alloc_us"]) / row["triton_us"]
+                    row["floor_x"] = (row["launcher_us"] + row["alloc_us"] + row["check_us"]) / row["triton_us"]
                 row["gpu_us"] = timing.kernel_time_torch(call) * 1e6
                 if "decode 1x16384" in name:
                     row["wall_us"] = _wall_us(call)

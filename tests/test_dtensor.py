@@ -184,7 +184,8 @@ print("done", flush=True)
 
 def test_dtensor_ops_on_two_ranks(tmp_path):
     repo = pathlib.Path(core_kernels.__file__).parent.parent
-    env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1")
+    # CPU tensors over gloo: the kernels run under Triton's interpreter, on a GPU machine too
+    env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
     seed = random.randrange(2**31)
     init = tmp_path / "pg_init"
     procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(r), "2", str(init), str(seed)],

@@ -606,10 +606,11 @@ class TestTorch(TorchAdapter, PrefixPrefillTests):
         """config= reaches plans the torch adapter has already cached for the same
         layouts (its plan cache sits above the planner's): the plain, paged and
         gathered calls each run their own plan."""
-        import adapters.torch._ops_prefix_prefill as ops
+        from adapters.torch import _executor as ex
         plans = []
-        real = ops.run_plan
-        monkeypatch.setattr(ops, "run_plan", lambda plan, *a, **kw: (plans.append(plan), real(plan, *a, **kw))[1])
+        run_cpu, run_gpu = ex._run_interpreted, ex._run_gpu  # every plan run starts in one of them
+        monkeypatch.setattr(ex, "_run_interpreted", lambda plan, *a: (plans.append(plan), run_cpu(plan, *a))[1])
+        monkeypatch.setattr(ex, "_run_gpu", lambda prog, *a: (plans.append(prog.plan), run_gpu(prog, *a))[1])
         case = make_case([(20, 40), (1, 17)], 4, 2, 32, 16, 8, "float32")
         ref = reference(case)
         check(self.attention(case), ref, "float32", "plain")

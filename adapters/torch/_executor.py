@@ -120,7 +120,29 @@ def run_plan(plan: Plan, tensors: dict, runtime: dict | None = None,
         device = next(t.device for t in tensors.values() if isinstance(t, torch.Tensor))
     if device.type != "cuda":
         return _run_interpreted(plan, tensors, runtime, device)
-    prog = _program(plan)
+    return _run_gpu(_program(plan), tensors, runtime, device)
+
+
+def execute(planner, tensors: dict, runtime: dict | None = None, check=None, **options) -> dict:
+    """``planned`` then ``run_plan`` in one call (the eager path of the ops):
+    returns every buffer by name. ``check(plan, device)``, when given, runs between
+    them on every call (checks of host values against the planned shapes;
+    ``device`` is the tensors' device)."""
+    try:
+        key = (planner, *[None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+                          for t in tensors.values()], *options.items())
+        hit = _PLANS.get(key)
+    except (AttributeError, TypeError):
+        hit = None
+    plan, device = hit if hit is not None else planned(planner, tensors, **options)
+    if check is not None:
+        check(plan, device)
+    if device.type != "cuda":
+        return _run_interpreted(plan, tensors, runtime, device)
+    return _run_gpu(_program(plan), tensors, runtime, device)
+
+
+def _run_gpu(prog, tensors: dict, runtime, device) -> dict:
     env = tensors
     if prog.allocs:
         env = dict(tensors)
@@ -367,7 +389,12 @@ def _launch(launch, recipe, env, runtime, device_index):
             values = ptrs + recipe.consts
         entry = recipe.compiled.get(key)
         if entry is not None and not _hooks_set():
-            entry(_raw_stream(device_index), recipe.getter(values))
+            g, raw = entry.grid, entry.raw
+            if raw is not None:
+                raw(g[0], g[1], g[2], _raw_stream(device_index), entry.function, entry.coop, entry.pdl,
+                    None, None, entry.meta, None, None, None, *recipe.getter(values))
+            else:
+                entry(_raw_stream(device_index), recipe.getter(values))
             return
     compiled = launch.kernel[launch.grid](*_tensor_args(launch, env, runtime), **launch.constexprs,
                                           num_warps=launch.num_warps, num_stages=launch.num_stages)

@@ -16,7 +16,7 @@ from core_kernels.blocksparse_attention import (NO_DECODE_CONFIG, BlocksparsePre
                                                 plan_blocksparse_attention_backward,
                                                 plan_blocksparse_attention_lse, vllm_sparse_attn_mask)
 
-from ._executor import planned, run_plan
+from ._executor import execute, planned, run_plan
 from ._index_validation import check_indices, index_validation
 from ._register import custom_op
 
@@ -25,11 +25,10 @@ def _bsattn_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_k
                  cu_seqlens_q: Optional[torch.Tensor], crow: torch.Tensor, col: torch.Tensor,
                  sm_scale: Optional[float], block_size: int, q_block_size: Optional[int],
                  max_seqlen: Optional[int], config: Optional[str]) -> torch.Tensor:
-    tensors = dict(q=q, k=k, v=v, cu_seqlens_k=cu_seqlens_k, cu_seqlens_q=cu_seqlens_q, crow=crow, col=col)
-    plan, device = planned(plan_blocksparse_attention, tensors,
-                           sm_scale=sm_scale, block_size=block_size, q_block_size=q_block_size,
-                           max_seqlen=max_seqlen, config=decode_config(config))
-    return run_plan(plan, tensors, None, device)["output"]
+    return execute(plan_blocksparse_attention,
+                   dict(q=q, k=k, v=v, cu_seqlens_k=cu_seqlens_k, cu_seqlens_q=cu_seqlens_q, crow=crow, col=col),
+                   sm_scale=sm_scale, block_size=block_size, q_block_size=q_block_size,
+                   max_seqlen=max_seqlen, config=decode_config(config))["output"]
 
 
 # ---------------------------------------------------------------- autograd

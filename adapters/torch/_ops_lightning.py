@@ -12,7 +12,7 @@ from core_kernels.lightning_attention import (check_slot_ids, plan_lightning_att
                                               plan_lightning_attention_backward, plan_linear_decode,
                                               prefill_state_shape)
 
-from ._executor import planned, run_plan
+from ._executor import execute, planned, run_plan
 from ._index_validation import check_indices, index_validation
 from ._register import custom_op
 
@@ -20,11 +20,9 @@ from ._register import custom_op
 def _prefill_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.Tensor,
                   block_size: int, kv_history: Optional[torch.Tensor],
                   output_final_state_only: bool, config: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    tensors = dict(q=q, k=k, v=v, ed=ed, kv_history=kv_history)
-    plan, device = planned(plan_lightning_attention, tensors,
-                           block_size=block_size, output_final_state_only=output_final_state_only,
-                           config=decode_config(config))
-    env = run_plan(plan, tensors, device=device)
+    env = execute(plan_lightning_attention, dict(q=q, k=k, v=v, ed=ed, kv_history=kv_history),
+                  block_size=block_size, output_final_state_only=output_final_state_only,
+                  config=decode_config(config))
     return env["output"], env["kv"]
 
 
@@ -127,12 +125,14 @@ def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: t
 
 def _decode_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_caches: torch.Tensor,
                  slope_rate: torch.Tensor, slot_idx: torch.Tensor, config: Optional[str]) -> torch.Tensor:
-    tensors = dict(q=q, k=k, v=v, kv_caches=kv_caches, slope_rate=slope_rate, slot_idx=slot_idx)
-    plan, device = planned(plan_linear_decode, tensors, config=decode_config(config))
-    if device.type == "cpu":  # host data: checking costs no device sync
-        check_slot_ids(slot_idx.numpy(), kv_caches.shape[0])
-    env = run_plan(plan, tensors, device=device)
-    return env["output"]
+    check = None
+    if not getattr(slot_idx, "is_cuda", True):
+        def check(plan, device):
+            if device.type == "cpu":  # host data: checking costs no device sync
+                check_slot_ids(slot_idx.numpy(), kv_caches.shape[0])
+    return execute(plan_linear_decode,
+                   dict(q=q, k=k, v=v, kv_caches=kv_caches, slope_rate=slope_rate, slot_idx=slot_idx),
+                   None, check, config=decode_config(config))["output"]
 
 
 def _decode_fake(q, k, v, kv_caches, slope_rate, slot_idx, config):

@@ -11,20 +11,22 @@ from core_kernels.lightning_attention import (check_varlen_host_data, plan_light
 
 from core_kernels import _index_check
 
-from ._executor import planned, run_plan
+from ._executor import execute, planned, run_plan
 from ._index_validation import check_indices, index_validation
 from ._register import custom_op
 
 
 def _run(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config):
     tensors = dict(q=q, k=k, v=v, ed=ed, cu_seqlens=cu_seqlens, kv_cache=kv_cache, slot_idx=slot_idx)
-    plan, device = planned(plan_lightning_attention_varlen, tensors, block_size=block_size,
-                           config=decode_config(config))
-    if device.type == "cpu":  # host data: checking costs no device sync
-        check_varlen_host_data(cu_seqlens.numpy(), q.shape[0],
-                               None if slot_idx is None else slot_idx.numpy(),
-                               0 if kv_cache is None else kv_cache.shape[0])
-    return run_plan(plan, tensors, device=device)
+    check = None
+    if not getattr(cu_seqlens, "is_cuda", True):
+        def check(plan, device):
+            if device.type == "cpu":  # host data: checking costs no device sync
+                check_varlen_host_data(cu_seqlens.numpy(), q.shape[0],
+                                       None if slot_idx is None else slot_idx.numpy(),
+                                       0 if kv_cache is None else kv_cache.shape[0])
+    return execute(plan_lightning_attention_varlen, tensors, None, check, block_size=block_size,
+                   config=decode_config(config))
 
 
 def _states_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.Tensor,

@@ -10,7 +10,7 @@ from core_kernels.merge_attn_states import (NO_FP8_BACKWARD, check_prefill_token
                                            plan_mask_empty_context_lse, plan_merge_attn_states,
                                            plan_merge_attn_states_backward)
 
-from ._executor import planned, run_plan
+from ._executor import execute, planned, run_plan
 from ._register import custom_op
 from ._scalars import scale_tensor
 
@@ -43,11 +43,15 @@ def _merge_impl(output: torch.Tensor, prefix_output: torch.Tensor, prefix_lse: t
                 output_lse: Optional[torch.Tensor], prefill_tokens_with_context: Optional[int],
                 output_scale: Optional[torch.Tensor], config: Optional[str],
                 prefill_tokens_with_context_tensor: Optional[torch.Tensor]) -> None:
-    _run(plan_merge_attn_states,
-         dict(prefix_output=prefix_output, prefix_lse=prefix_lse, suffix_output=suffix_output,
-              suffix_lse=suffix_lse, output=output, output_lse=output_lse, output_scale=output_scale,
-              prefill_tokens_with_context=prefill_tokens_with_context_tensor),
-         prefill_tokens_with_context, config)
+    arrays = dict(prefix_output=prefix_output, prefix_lse=prefix_lse, suffix_output=suffix_output,
+                  suffix_lse=suffix_lse, output=output, output_lse=output_lse, output_scale=output_scale,
+                  prefill_tokens_with_context=prefill_tokens_with_context_tensor)
+    if prefill_tokens_with_context is not None:
+        _run(plan_merge_attn_states, arrays, prefill_tokens_with_context, config)
+    else:  # the usual call, in one step
+        execute(plan_merge_attn_states, arrays, _NO_COUNT,
+                num_ctx="none" if prefill_tokens_with_context_tensor is None else "array",
+                config=None if config is None else decode_config(config))
 
 
 # ---------------------------------------------------------------- autograd
@@ -180,9 +184,8 @@ def merge_attn_states(output: torch.Tensor, prefix_output: torch.Tensor, prefix_
 
 def _mask_impl(lse: torch.Tensor, query_start_loc: torch.Tensor,
                context_start_loc: torch.Tensor) -> None:
-    tensors = dict(lse=lse, query_start_loc=query_start_loc, context_start_loc=context_start_loc)
-    plan, device = planned(plan_mask_empty_context_lse, tensors)
-    run_plan(plan, tensors, device=device)
+    execute(plan_mask_empty_context_lse,
+            dict(lse=lse, query_start_loc=query_start_loc, context_start_loc=context_start_loc))
 
 
 _mask_op = custom_op("mask_empty_context_lse", _mask_impl, mutates_args=("lse",))

@@ -9,7 +9,7 @@ from core_kernels import _index_check
 from core_kernels._plan import INT32_MAX, as_float, as_int, decode_config, encode_config
 from core_kernels.prefix_prefill import plan_prefix_prefill
 
-from ._executor import planned, run_plan
+from ._executor import execute
 from ._index_validation import check_indices, index_validation
 from ._register import custom_op
 from ._scalars import scale_tensor
@@ -28,12 +28,11 @@ def _impl(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
                    b_start_loc=b_start_loc, b_seq_len=b_seq_len, output=o, k_scale=k_scale,
                    v_scale=v_scale, alibi_slopes=alibi_slopes, sinks=sinks,
                    fp8_out_scale=fp8_out_scale)
-    plan, device = planned(plan_prefix_prefill, tensors, max_input_len=max_input_len, max_seq_len=max_seq_len,
-                           kv_cache_dtype=kv_cache_dtype, sliding_window=sliding_window,
-                           sm_scale=sm_scale, skip_decode=skip_decode, causal=causal,
-                           interleaved_v_pack_factor=interleaved_v_pack_factor,
-                           is_block_table_ptr=is_block_table_ptr, config=decode_config(config))
-    run_plan(plan, tensors, device=device)
+    execute(plan_prefix_prefill, tensors, max_input_len=max_input_len, max_seq_len=max_seq_len,
+            kv_cache_dtype=kv_cache_dtype, sliding_window=sliding_window,
+            sm_scale=sm_scale, skip_decode=skip_decode, causal=causal,
+            interleaved_v_pack_factor=interleaved_v_pack_factor,
+            is_block_table_ptr=is_block_table_ptr, config=decode_config(config))
 
 
 _op = custom_op("context_attention_fwd", _impl, mutates_args=("o",))

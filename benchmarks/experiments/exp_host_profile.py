@@ -25,7 +25,7 @@ def main():
           per_call_us(lambda: torch.empty((64, 8, 128), device="cuda", dtype=torch.bfloat16)))
     with torch.inference_mode():
         for name, call, _ in _cases():
-            rec, (launchers, allocs) = _recorded(call)
+            rec, (launchers, allocs, _) = _recorded(call)
             print(f"\n=== {name}: {per_call_us(call):.1f} us/call, fast path {ex._FAST_PATH}", flush=True)
             for (launch, _), launcher in zip(rec, launchers):
                 if launcher is None:

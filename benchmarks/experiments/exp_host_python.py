@@ -97,7 +97,8 @@ def stub_gpu():
 
 
 def cases():
-    """(name, call) at the sizes of bench_host_overhead, on CPU tensors."""
+    """(name, call) at the sizes of bench_host_overhead, on CPU tensors (also the
+    calls of tests/test_architecture.py's check of the launch argument order)."""
     import adapters.torch as at
     from benchmarks.registry import BLOCKSPARSE_MODEL, PREFIX_PREFILL_MODEL
     from core_kernels.blocksparse_attention import build_sparse_layout

@@ -94,22 +94,29 @@ def planned(planner, tensors: dict, **options):
     hashing. NOTE: that was ~11 us of a ~65 us block-sparse decode call's host
     time on the H200 machine. A failing check or plan is never cached.
     """
+    key, hit = _cached(planner, tensors, options)
+    return hit if hit is not None else _plan(planner, tensors, options, key)
+
+
+def _cached(planner, tensors: dict, options: dict):
+    """(key, cached (plan, device) or None); key None when the arguments cannot
+    make one (not tensors, unhashable options: the checks in _plan say why)."""
     try:
         key = (planner, *[None if t is None else (t.shape, t.stride(), t.dtype, t.device)
                           for t in tensors.values()], *options.items())
-        hit = _PLANS.get(key)
-    except (AttributeError, TypeError):  # not tensors / unhashable: the checks below say why
-        key, hit = None, None
-    if hit is None:
-        device = check_devices(**tensors)
-        plan = planner(target_for(device), *(None if t is None else info(t) for t in tensors.values()),
-                       **options)
-        hit = (plan, device)
-        if key is not None:
-            if len(_PLANS) >= _PLANS_MAX:
-                _PLANS.clear()
-            _PLANS[key] = hit
-    return hit
+        return key, _PLANS.get(key)
+    except (AttributeError, TypeError):
+        return None, None
+
+
+def _plan(planner, tensors: dict, options: dict, key):
+    device = check_devices(**tensors)
+    plan = planner(target_for(device), *(None if t is None else info(t) for t in tensors.values()), **options)
+    if key is not None:
+        if len(_PLANS) >= _PLANS_MAX:
+            _PLANS.clear()
+        _PLANS[key] = (plan, device)
+    return plan, device
 
 
 def run_plan(plan: Plan, tensors: dict, runtime: dict | None = None,
@@ -128,13 +135,8 @@ def execute(planner, tensors: dict, runtime: dict | None = None, check=None, **o
     returns every buffer by name. ``check(plan, device)``, when given, runs between
     them on every call (checks of host values against the planned shapes;
     ``device`` is the tensors' device)."""
-    try:
-        key = (planner, *[None if t is None else (t.shape, t.stride(), t.dtype, t.device)
-                          for t in tensors.values()], *options.items())
-        hit = _PLANS.get(key)
-    except (AttributeError, TypeError):
-        hit = None
-    plan, device = hit if hit is not None else planned(planner, tensors, **options)
+    key, hit = _cached(planner, tensors, options)
+    plan, device = hit if hit is not None else _plan(planner, tensors, options, key)
     if check is not None:
         check(plan, device)
     if device.type != "cuda":

@@ -6,11 +6,11 @@ from typing import Optional
 import torch
 
 from core_kernels._plan import as_int, decode_config, encode_config
-from core_kernels.merge_attn_states import (NO_FP8_BACKWARD, check_prefill_tokens_with_context,
+from core_kernels.merge_attn_states import (BACKWARD_RESULTS, NO_FP8_BACKWARD, check_prefill_tokens_with_context,
                                            plan_mask_empty_context_lse, plan_merge_attn_states,
                                            plan_merge_attn_states_backward)
 
-from ._executor import execute, planned, run_plan
+from ._executor import execute
 from ._register import custom_op
 from ._scalars import scale_tensor
 
@@ -23,19 +23,19 @@ def _num_ctx(count, prefill_tokens_with_context) -> str:
 _NO_COUNT = {"prefill_tokens_with_context": None}
 
 
-def _run(plan_fn, arrays: dict, prefill_tokens_with_context: Optional[int], config: Optional[str]):
+def _run(plan_fn, arrays: dict, prefill_tokens_with_context: Optional[int], config: Optional[str]) -> dict:
     """Plan ``plan_fn`` over ``arrays`` (name -> tensor or None = absent; the
     token count tensor as "prefill_tokens_with_context") and run it; returns
-    (plan, env). The forward, functional and backward ops all go through here."""
+    every buffer by name. The forward, functional and backward ops all go through here."""
     count = arrays["prefill_tokens_with_context"]  # device data (a tensor), never read on the host
-    plan, device = planned(plan_fn, arrays, num_ctx=_num_ctx(count, prefill_tokens_with_context),
-                           config=None if config is None else decode_config(config))
-    if prefill_tokens_with_context is None:
-        runtime = _NO_COUNT
-    else:  # a host int: checked here, after the shapes
-        check_prefill_tokens_with_context(prefill_tokens_with_context, arrays["prefix_output"].shape[0])
+    runtime, check = _NO_COUNT, None
+    if prefill_tokens_with_context is not None:  # a host int: checked after the shapes, every call
         runtime = {"prefill_tokens_with_context": prefill_tokens_with_context}
-    return plan, run_plan(plan, arrays, runtime, device)
+
+        def check(plan, device):
+            check_prefill_tokens_with_context(prefill_tokens_with_context, arrays["prefix_output"].shape[0])
+    return execute(plan_fn, arrays, runtime, check, num_ctx=_num_ctx(count, prefill_tokens_with_context),
+                   config=None if config is None else decode_config(config))
 
 
 def _merge_impl(output: torch.Tensor, prefix_output: torch.Tensor, prefix_lse: torch.Tensor,
@@ -43,15 +43,11 @@ def _merge_impl(output: torch.Tensor, prefix_output: torch.Tensor, prefix_lse: t
                 output_lse: Optional[torch.Tensor], prefill_tokens_with_context: Optional[int],
                 output_scale: Optional[torch.Tensor], config: Optional[str],
                 prefill_tokens_with_context_tensor: Optional[torch.Tensor]) -> None:
-    arrays = dict(prefix_output=prefix_output, prefix_lse=prefix_lse, suffix_output=suffix_output,
-                  suffix_lse=suffix_lse, output=output, output_lse=output_lse, output_scale=output_scale,
-                  prefill_tokens_with_context=prefill_tokens_with_context_tensor)
-    if prefill_tokens_with_context is not None:
-        _run(plan_merge_attn_states, arrays, prefill_tokens_with_context, config)
-    else:  # the usual call, in one step
-        execute(plan_merge_attn_states, arrays, _NO_COUNT,
-                num_ctx="none" if prefill_tokens_with_context_tensor is None else "array",
-                config=None if config is None else decode_config(config))
+    _run(plan_merge_attn_states,
+         dict(prefix_output=prefix_output, prefix_lse=prefix_lse, suffix_output=suffix_output,
+              suffix_lse=suffix_lse, output=output, output_lse=output_lse, output_scale=output_scale,
+              prefill_tokens_with_context=prefill_tokens_with_context_tensor),
+         prefill_tokens_with_context, config)
 
 
 # ---------------------------------------------------------------- autograd
@@ -62,7 +58,7 @@ def _functional_impl(prefix_output: torch.Tensor, prefix_lse: torch.Tensor, suff
                      suffix_lse: torch.Tensor, prefill_tokens_with_context: Optional[int],
                      config: Optional[str], prefill_tokens_with_context_tensor: Optional[torch.Tensor]
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    _, env = _run(plan_merge_attn_states,
+    env = _run(plan_merge_attn_states,
                   dict(prefix_output=prefix_output, prefix_lse=prefix_lse, suffix_output=suffix_output,
                        suffix_lse=suffix_lse, output=None, output_lse=None, output_scale=None,
                        prefill_tokens_with_context=prefill_tokens_with_context_tensor),
@@ -81,12 +77,12 @@ def _backward_impl(prefix_output: torch.Tensor, prefix_lse: torch.Tensor, suffix
                    grad_output_lse: Optional[torch.Tensor], prefill_tokens_with_context: Optional[int],
                    config: Optional[str], prefill_tokens_with_context_tensor: Optional[torch.Tensor]
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    plan, env = _run(plan_merge_attn_states_backward,
+    env = _run(plan_merge_attn_states_backward,
                      dict(prefix_output=prefix_output, prefix_lse=prefix_lse, suffix_output=suffix_output,
                           suffix_lse=suffix_lse, grad_output=grad_output, grad_output_lse=grad_output_lse,
                           prefill_tokens_with_context=prefill_tokens_with_context_tensor),
                      prefill_tokens_with_context, config)
-    return tuple(env[r] for r in plan.results)
+    return tuple(env[r] for r in BACKWARD_RESULTS)
 
 
 def _backward_fake(prefix_output, prefix_lse, suffix_output, suffix_lse, grad_output, grad_output_lse,

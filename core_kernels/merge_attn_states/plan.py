@@ -41,6 +41,8 @@ CONFIGS = {2: MergeConfig(2048, 2), 4: MergeConfig(2048, 8)}
 # tiles (not measured small).
 SMALL_ELEMS = 1 << 19   # N * H * padded D at or below which 16-bit merges use SMALL_CONFIG
 SMALL_CONFIG = MergeConfig(256, 1)
+# what plan_merge_attn_states_backward returns, in order
+BACKWARD_RESULTS = ("grad_prefix_output", "grad_prefix_lse", "grad_suffix_output", "grad_suffix_lse")
 
 
 def _block_d(d: int) -> int:
@@ -251,7 +253,7 @@ def plan_merge_attn_states_backward(
                "grad_prefix_lse": Buffer((h, n), "float32"),
                "grad_suffix_output": Buffer((n, h, d), problem.in_dtype),
                "grad_suffix_lse": Buffer((h, n), "float32")}
-    results = ("grad_prefix_output", "grad_prefix_lse", "grad_suffix_output", "grad_suffix_lse")
+    results = BACKWARD_RESULTS
     if n == 0 or h == 0:
         return Plan(buffers, (), results)
     config = config or BACKWARD_CONFIGS[ITEMSIZE[problem.in_dtype]]

@@ -79,9 +79,14 @@ class MergeTests:
         assert_close(lse, ref_lse, "float32", "output_lse")
 
     @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-    def test_edge_cases(self, dtype):
+    @pytest.mark.parametrize("config", [None, MergeConfig(2048, 2, "", False)],
+                             ids=["default-values-first", "values-after-lses"])
+    def test_edge_cases(self, dtype, config):
+        """Every LSE edge case, with both load orders: the default at this size
+        loads the values before the LSEs (and zeroes an empty part's), the large
+        merges' tiling loads them after, masked by the LSEs."""
         po, pl, so, sl = special_inputs(dtype)
-        out, lse = self.merge(po, pl, so, sl)
+        out, lse = self.merge(po, pl, so, sl, config=config)
         ref_out, ref_lse = reference(po, pl, so, sl)
         assert_close(out, ref_out, dtype, "output")
         assert_close(lse, ref_lse, "float32", "output_lse")
@@ -128,12 +133,15 @@ class MergeTests:
 
     @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
     @pytest.mark.parametrize("config", [MergeConfig(256, 1), MergeConfig(2048, 2),
-                                        MergeConfig(4096, 8)],
-                             ids=["tile256-w1", "tile2048-w2", "tile4096-w8"])
+                                        MergeConfig(4096, 8), MergeConfig(512, 2, "", True),
+                                        MergeConfig(2048, 8, "", True)],
+                             ids=["tile256-w1", "tile2048-w2", "tile4096-w8", "tile512-w2-values-first",
+                                  "tile2048-w8-values-first"])
     def test_config_override(self, config, dtype):
-        """Any tiling gives the same bits as the measured default (for 16-bit inputs
-        of this size the small-merge tiling, the others the large merges')."""
-        po, pl, so, sl = make_inputs(37, 3, 72, dtype)
+        """Any tiling and either load order gives the same bits as the measured
+        default (at this size one row per one-warp program, values loaded first),
+        edge cases included."""
+        po, pl, so, sl = special_inputs(dtype, 37, 3, 72)
         default = self.merge(po, pl, so, sl, ptwc=20)
         forced = self.merge(po, pl, so, sl, ptwc=20, config=config)
         assert_bitwise_equal(forced[0], default[0], "output")
@@ -479,20 +487,26 @@ class TestMaskJax(JaxAdapter, MaskEmptyContextTests):
         assert_bitwise_equal(jax_to_numpy(out), ref, "jitted, donated")
 
 
-@pytest.mark.parametrize("n, h, d, dtype, small", [
-    (64, 32, 128, "bfloat16", True), (64, 64, 128, "float16", True), (1, 128, 512, "bfloat16", True),
-    (65, 64, 128, "bfloat16", False), (4096, 32, 128, "bfloat16", False),
-    (64, 32, 128, "float32", False)])
-def test_small_merges_get_small_tiles(n, h, d, dtype, small):
-    """The planner's measured rule (plan.py NOTE): 16-bit merges of at most 2^19
-    elements (N x H x padded D) run 256-element tiles with one warp; larger ones
-    and fp32 keep the large tiles."""
-    from core_kernels._plan import ArrayInfo, next_pow2
+@pytest.mark.parametrize("n, h, d, dtype, tile, warps, load_first", [
+    # 16-bit: one row per one-warp program to 2^14 elements, 512/2 load_first to 2^24, then 2048/2
+    (1, 32, 128, "bfloat16", 128, 1, True), (1, 128, 128, "float16", 128, 1, True),
+    (1, 129, 128, "bfloat16", 512, 2, True), (64, 32, 128, "bfloat16", 512, 2, True),
+    (1, 128, 512, "bfloat16", 512, 2, True), (4096, 32, 128, "float16", 512, 2, True),
+    (4097, 32, 128, "bfloat16", 2048, 2, False), (16384, 32, 128, "bfloat16", 2048, 2, False),
+    # fp32: one row per warp to 2^18, 512/2 load_first to 2^20, then 512/2
+    (64, 32, 128, "float32", 128, 1, True), (65, 32, 128, "float32", 512, 2, True),
+    (64, 128, 128, "float32", 512, 2, True), (256, 32, 100, "float32", 512, 2, True),
+    (257, 32, 128, "float32", 512, 2, False), (16384, 32, 128, "float32", 512, 2, False)])
+def test_merge_tiling_rule(n, h, d, dtype, tile, warps, load_first):
+    """The planner's measured rule (the NOTE above TILINGS in plan.py), by
+    elements N x H x padded D, written out case by case."""
+    from core_kernels._plan import ArrayInfo
     from core_kernels._target import Target
-    from core_kernels.merge_attn_states.plan import CONFIGS, SMALL_CONFIG
     o, lse = ArrayInfo.contiguous((n, h, d), dtype), ArrayInfo.contiguous((h, n), "float32")
     (launch,) = plan_merge_attn_states(Target("cuda", 90, 132), o, lse, o, lse).launches
-    want = SMALL_CONFIG if small else CONFIGS[4 if dtype == "float32" else 2]
-    assert launch.num_warps == want.num_warps
-    assert launch.constexprs["BLOCK_R"] == max(1, min(want.tile_elems // max(16, d), next_pow2(n * h)))
-    assert launch.grid == (-(-n * h // launch.constexprs["BLOCK_R"]),)
+    block_d = 1 << (max(16, d) - 1).bit_length()
+    block_r = max(1, min(tile // block_d, 1 << (n * h - 1).bit_length()))
+    assert launch.num_warps == warps
+    assert launch.constexprs["LOAD_FIRST"] is load_first
+    assert launch.constexprs["BLOCK_R"] == block_r
+    assert launch.grid == (-(-n * h // block_r),)

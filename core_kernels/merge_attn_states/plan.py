@@ -20,27 +20,37 @@ class MergeConfig:
     tile_elems: int = 2048
     num_warps: int = 4
     evict: str = ""  # eviction policy of the loads ("" = default, "evict_first", ...)
+    # issue the values' loads before the LSEs' (an empty part's values are then
+    # loaded and zeroed instead of never loaded)
+    load_first: bool = False
 
 
-# NOTE: elements per tile and warps by input itemsize, from the H200 sweep in
-# benchmarks/bench_merge_attn_states.py (16384x32x128): bf16 2048/2w 92.4% of copy
-# bandwidth vs 91.2% for 4096/4w; fp32 2048/8w 98% vs 88% for 4096/8w (run-to-run
-# spread is a few percent). An evict_first hint on the loads cost 5-15% there, so
-# loads use the default policy. A persistent grid-stride loop (grid capped at
-# 8x or 16x the SM count) was no faster for bf16 and is not used.
-CONFIGS = {2: MergeConfig(2048, 2), 4: MergeConfig(2048, 8)}
-# NOTE: a small merge is latency-bound: at N = 64 (32 or 64 heads x 128) the
-# 2048-element tiles give 128-256 programs, each waiting on its LSE loads and
-# then on 32 values per thread. 256-element tiles with one warp (one 16-byte
-# vector per thread and tensor, 1024-2048 programs) measured on the H200
-# (2026-11-25, benchmarks/experiments/exp_frontier_bounds.py, GPU time per call,
-# cold L2): N=64 x 32 heads bf16 5.7 vs 7.2 us (vLLM's kernel 6.7), fp16 5.7 vs
-# 6.5 (vLLM 6.0); x 64 heads bf16 6.3 vs 7.6 (vLLM 8.4), fp16 6.4 vs 7.6 (vLLM
-# 7.8); N=1 4.7-5.6 vs 5.8-6.4. At N=512 (2M elements) and above the 2048 tiles
-# are as fast or faster (N=4096 x 32: 256/1w 45.5 vs 34.4 us). fp32 keeps its
-# tiles (not measured small).
-SMALL_ELEMS = 1 << 19   # N * H * padded D at or below which 16-bit merges use SMALL_CONFIG
-SMALL_CONFIG = MergeConfig(256, 1)
+# NOTE: the tiling by input itemsize and size (elements E = N * H * padded D):
+# for each itemsize, (largest E, config) in order. From the H200 tuning run of
+# 2026-11-25 (benchmarks/experiments/exp_merge_small.py --only tune; x 32 heads,
+# bf16 and fp32, GPU time per call in a CUDA graph over cold inputs, vLLM's
+# kernel in the same run):
+# - a tiny merge (N = 1) is latency-bound: one row per one-warp program with the
+#   values' loads issued before the LSEs' (load_first) took 1.50 us (bf16) and
+#   1.89 us (fp32) against vLLM's 1.79 / 2.11 and 1.91 / 2.54 for the previous
+#   default; the previous default waited for the LSE loads before loading values.
+# - 16-bit up to 4096 x 32: 512-element tiles, 2 warps, load_first: N = 64
+#   2.56 us (vLLM 3.38, previous default 3.02), 256 4.07 (5.16), 1024 9.13
+#   (11.09), 4096 28.19 (29.58). At 16384 x 32 the 2048/2 tiles without
+#   load_first stay best (100.3 vs 104.8 us; 94.6% of copy bandwidth per call
+#   earlier, see RESULTS.md).
+# - fp32: one row per warp with load_first up to 64 x 32 (3.14 us, vLLM 3.82,
+#   previous 4.06); 512/2 with load_first to 2^20 elements (64 x 128 6.05 vs
+#   6.41); 512/2 without it above (1024 x 32 15.47 vs 16.39; 4096 49.8 vs 52.0;
+#   16384 188.8 vs 192.8 us).
+# An evict_first hint on the loads cost 5-15% (earlier sweep), so loads use the
+# default policy. A persistent grid-stride loop was no faster and is not used.
+TILINGS = {
+    2: ((1 << 14, MergeConfig(128, 1, "", True)), (1 << 24, MergeConfig(512, 2, "", True)),
+        (None, MergeConfig(2048, 2))),
+    4: ((1 << 18, MergeConfig(128, 1, "", True)), (1 << 20, MergeConfig(512, 2, "", True)),
+        (None, MergeConfig(512, 2))),
+}
 # what plan_merge_attn_states_backward returns, in order
 BACKWARD_RESULTS = ("grad_prefix_output", "grad_prefix_lse", "grad_suffix_output", "grad_suffix_lse")
 
@@ -51,10 +61,12 @@ def _block_d(d: int) -> int:
 
 
 def default_config(n: int, h: int, d: int, itemsize: int) -> MergeConfig:
-    """The measured tiling of an [N, H, D] merge of ``itemsize``-byte inputs."""
-    if itemsize == 2 and n * h * _block_d(d) <= SMALL_ELEMS:
-        return SMALL_CONFIG
-    return CONFIGS[itemsize]
+    """The measured tiling of an [N, H, D] merge of ``itemsize``-byte inputs (TILINGS)."""
+    elems = n * h * _block_d(d)
+    for limit, config in TILINGS[itemsize]:
+        if limit is None or elems <= limit:
+            return config
+    raise AssertionError("TILINGS ends with an unbounded entry")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +207,7 @@ def _launch(p: _Problem, config: MergeConfig, prefix_output, prefix_lse, suffix_
             out_ptr="output", out_lse_ptr="output_lse" if p.has_out_lse else "output"),
         writes=("out_ptr", "out_lse_ptr"),
         constexprs=dict(BLOCK_R=block_r, BLOCK_D=block_d, HEAD_SIZE=p.d, EVICT=config.evict,
+                        LOAD_FIRST=config.load_first,
                         NUM_CTX_FROM_PTR=num_ctx == "array", HAS_OUT_LSE=p.has_out_lse,
                         HAS_SCALE=has_output_scale,
                         FP8_MAX=FP8_MAX.get(p.out_dtype, 0.0),

@@ -1,0 +1,256 @@
+"""Small merges against vLLM's kernel, and what an output allocation costs the host (GPU only).
+
+    python -m benchmarks.experiments.exp_merge_small [--out DIR] [--only small,small2,tune,threshold,alloc]
+
+``small``: merge_attn_states at N = 1 and 64 tokens x 32 / 64 / 128 heads x 128,
+bf16 / fp16 / fp32. vLLM's kernel (``.peer/vllm_merge.py``, see
+bench_merge_attn_states) and our kernel (the planner's default, then tilings
+with and without ``load_first``: the values' loads issued before the LSEs')
+are timed in alternation ``trials`` times, GPU time per call (do_bench, cold
+L2), so that the ~5 us times are compared within one trial, not across the
+run. Each variant's output is checked against the default's (max abs
+difference) and vLLM's.
+
+``small2``: the contested cases (N = 1 and 64 x 32 heads, N = 1 x 128 fp32) with
+nine trials, more tilings (all with and without load_first), and each
+variant's GPU time per call in one CUDA graph over rotating input sets that
+together exceed the L2 2.5x (no host time, cold reads).
+
+``tune``: chosen tilings with and without load_first from 1 to 16384 tokens
+(x 32 heads; and 64 x 128 heads), bf16 and fp32, both timings.
+
+``threshold``: the same variants at N = 256 ... 4096 x 32 heads (where the
+small tiling stops paying), three alternated trials each.
+
+``alloc``: host time per call of the ways to make a small output tensor on the
+GPU (torch.empty with a torch.device, a device index or a string;
+Tensor.new_empty; torch.empty_strided), enqueued back to back with the GPU idle
+(timing.host_overhead).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+from pathlib import Path
+
+from benchmarks.bench_merge_attn_states import vllm_merge
+
+TILINGS = ((128, 1), (256, 1), (512, 1), (512, 2), (1024, 4), (2048, 8))
+
+
+def _time(fn):
+    from benchmarks.timing import kernel_time_torch
+    return kernel_time_torch(fn, warmup_ms=10, rep_ms=100) * 1e6
+
+
+def _graph_cold_us(fn_set, nbytes_per_set: int):
+    """GPU time per call inside one CUDA graph of calls over rotating input sets
+    whose bytes together exceed 2.5x the L2 (each set is read cold), no host
+    time between launches: ``fn_set(i)`` calls on set i."""
+    from benchmarks.timing import graph_time_torch
+    return graph_time_torch(fn_set, n_sets=_n_sets(nbytes_per_set), reps_per_set=1) * 1e6
+
+
+def _n_sets(nbytes_per_set: int) -> int:
+    return max(8, min(2048, -(-128 * 2 ** 20 // nbytes_per_set)))
+
+
+def _cases_rows(cases, trials, tilings, graph=False, configs=None):
+    import torch
+    import adapters.torch as at
+    from core_kernels.merge_attn_states import MergeConfig
+    peer = vllm_merge()
+    rows = []
+    for n, h, d, dt in cases:
+        tdt = getattr(torch, dt)
+        po, so = (torch.randn(n, h, d, device="cuda", dtype=tdt) for _ in range(2))
+        pl, sl = (torch.randn(h, n, device="cuda") * 3 for _ in range(2))
+        out, lse = torch.empty_like(po), torch.empty_like(pl)
+        variants = {"default": None}
+        for tile, warps, *first in configs or [(t, w, f) for t, w in tilings for f in (False, True)]:
+            first = bool(first and first[0])
+            variants[f"tile{tile}-w{warps}" + ("-loadfirst" if first else "")] = \
+                MergeConfig(tile, warps, "", first)
+        calls = {"vllm": lambda: peer(out, po, pl, so, sl, output_lse=lse)}
+        for name, cfg in variants.items():
+            calls[name] = lambda cfg=cfg: at.merge_attn_states(out, po, pl, so, sl, lse, config=cfg)
+        graph_us = {}
+        if graph:
+            nbytes = 3 * n * h * d * po.element_size() + 3 * n * h * 4
+            k = _n_sets(nbytes)
+            sets = [((torch.randn(n, h, d, device="cuda", dtype=tdt) for _ in range(2)),
+                     (torch.randn(h, n, device="cuda") * 3 for _ in range(2))) for _ in range(k)]
+            sets = [(*a, *b) for a, b in sets]
+            outs = [(torch.empty_like(po), torch.empty_like(pl)) for _ in range(k)]
+            for name, cfg in [("vllm", None)] + list(variants.items()):
+                if name == "vllm":
+                    f = lambda i: peer(outs[i][0], sets[i][0], sets[i][2], sets[i][1], sets[i][3],  # noqa: E731
+                                       output_lse=outs[i][1])
+                else:
+                    f = lambda i, cfg=cfg: at.merge_attn_states(  # noqa: E731
+                        outs[i][0], sets[i][0], sets[i][2], sets[i][1], sets[i][3], outs[i][1], config=cfg)
+                graph_us[name] = _graph_cold_us(f, nbytes)
+            del sets, outs
+        results = {}
+        for name, fn in calls.items():
+            out.fill_(float("nan"))
+            fn()
+            torch.cuda.synchronize()
+            results[name] = out.clone()
+        times = {name: [] for name in calls}
+        for _ in range(trials):
+            for name, fn in calls.items():
+                times[name].append(_time(fn))
+        base = results["default"].float()
+        for name in calls:
+            ratio = [t / o for t, o in zip(times["vllm"], times[name])]
+            row = dict(n=n, h=h, d=d, dtype=dt, variant=name, trials=trials,
+                       median_us=statistics.median(times[name]),
+                       range_us=[min(times[name]), max(times[name])],
+                       vllm_median_us=statistics.median(times["vllm"]),
+                       vllm_over_this_median=statistics.median(ratio),
+                       trials_faster_than_vllm=sum(r > 1 for r in ratio),
+                       graph_cold_us=graph_us.get(name), vllm_graph_cold_us=graph_us.get("vllm"),
+                       max_diff_vs_default=float((results[name].float() - base).abs().max()),
+                       bitwise_vs_default=bool(torch.equal(results[name], results["default"])),
+                       config=None if variants.get(name) is None else dataclasses.astuple(variants[name]))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del po, so, pl, sl, out, lse
+        torch.cuda.empty_cache()
+    return rows
+
+
+def small(trials: int = 5):
+    cases = [(n, h, 128, dt) for dt in ("float32", "bfloat16", "float16") for n in (64, 1)
+             for h in (32, 64, 128)]
+    return [dict(what="small", **r) for r in _cases_rows(cases, trials, TILINGS)]
+
+
+def small2(trials: int = 9):
+    """The contested small cases again, more trials, the load_first tilings and
+    narrower programs (one row per 4-warp program, like vLLM's grid), plus the
+    GPU time per call in a CUDA graph over cold input sets."""
+    cases = [(n, 32, 128, dt) for dt in ("float32", "bfloat16", "float16") for n in (1, 64)]
+    cases += [(1, 128, 128, "float32")]
+    tilings = ((128, 1), (128, 4), (256, 1), (256, 4), (512, 2), (1024, 4), (2048, 8))
+    return [dict(what="small2", **r) for r in _cases_rows(cases, trials, tilings, graph=True)]
+
+
+TUNE_CONFIGS = ((128, 1, True), (256, 4, True), (512, 2, False), (512, 2, True), (1024, 4, False),
+                (1024, 4, True), (2048, 2, False), (2048, 2, True), (2048, 8, False), (2048, 8, True),
+                (4096, 8, True))
+
+
+def tune(trials: int = 3):
+    """The tilings (with and without load_first) from 1 to 16384 tokens x 32
+    heads, bf16 and fp32, GPU time per call both ways (do_bench and the cold
+    CUDA graph): the measured table behind the planner's choice."""
+    cases = [(n, 32, 128, dt) for dt in ("bfloat16", "float32") for n in (1, 64, 256, 1024, 4096, 16384)]
+    cases += [(64, 128, 128, dt) for dt in ("bfloat16", "float32")]
+    return [dict(what="tune", **r) for r in _cases_rows(cases, trials, (), graph=True, configs=TUNE_CONFIGS)]
+
+
+def ab(trials: int = 5):
+    """The committed kernel before load_first (``.peer/head_merge_kernels.py``:
+    2265741's kernels.py with absolute imports) against the current kernel
+    without it, same tilings, alternated, at 4096 and 16384 x 32 x 128; and the
+    copy rate of this machine (2 GiB and the merge's size)."""
+    import importlib.util
+    import torch
+    from adapters.torch._executor import info, run_plan, target_for
+    from benchmarks.timing import copy_bandwidth
+    from core_kernels._plan import Plan
+    from core_kernels.merge_attn_states import MergeConfig, plan_merge_attn_states
+    path = Path(__file__).resolve().parents[2] / ".peer" / "head_merge_kernels.py"
+    spec = importlib.util.spec_from_file_location("head_merge_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = [dict(what="ab", case="copy 2 GiB", tbps=copy_bandwidth() / 1e12)]
+    for n, dt, tile, warps in ((16384, "bfloat16", 2048, 2), (16384, "float32", 2048, 8),
+                               (4096, "bfloat16", 2048, 2), (4096, "float32", 2048, 8)):
+        tdt = getattr(torch, dt)
+        po, so = (torch.randn(n, 32, 128, device="cuda", dtype=tdt) for _ in range(2))
+        pl, sl = (torch.randn(32, n, device="cuda") * 3 for _ in range(2))
+        out, lse = torch.empty_like(po), torch.empty_like(pl)
+        nbytes = 3 * po.numel() * po.element_size() + 3 * pl.numel() * 4
+        src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        tensors = dict(output=out, output_lse=lse, prefix_output=po, prefix_lse=pl, suffix_output=so,
+                       suffix_lse=sl)
+        plan = plan_merge_attn_states(target_for(po.device), info(po), info(pl), info(so), info(sl),
+                                      info(out), info(lse), config=MergeConfig(tile, warps))
+        la = plan.launches[0]
+        head = Plan(plan.buffers, (dataclasses.replace(
+            la, kernel=mod._merge_attn_states_kernel,
+            constexprs={k: v for k, v in la.constexprs.items() if k != "LOAD_FIRST"}),), plan.results)
+        calls = {"head": lambda: run_plan(head, tensors, {}), "current": lambda: run_plan(plan, tensors, {}),
+                 "copy same bytes": lambda: dst.copy_(src)}
+        times = {k: [] for k in calls}
+        outs = {}
+        for k, fn in calls.items():
+            fn()
+            torch.cuda.synchronize()
+            outs[k] = out.clone()
+        for _ in range(trials):
+            for k, fn in calls.items():
+                times[k].append(_time(fn))
+        for k in calls:
+            rows.append(dict(what="ab", case=f"{n}x32x128 {dt} {tile}/{warps}", variant=k,
+                             median_us=statistics.median(times[k]), range_us=[min(times[k]), max(times[k])],
+                             bitwise_vs_head=bool(torch.equal(outs[k], outs["head"]))))
+            print(json.dumps(rows[-1]), flush=True)
+        del po, so, pl, sl, out, lse, src, dst
+        torch.cuda.empty_cache()
+    return rows
+
+
+def threshold(trials: int = 3):
+    cases = [(n, 32, 128, dt) for dt in ("float32", "bfloat16") for n in (256, 512, 1024, 4096)]
+    tilings = ((256, 1), (512, 2), (1024, 4), (2048, 2), (2048, 8))
+    return [dict(what="threshold", **r) for r in _cases_rows(cases, trials, tilings)]
+
+
+def alloc():
+    import torch
+    from benchmarks.timing import host_overhead
+    dev = torch.device("cuda", 0)
+    ref = torch.empty(1, 32, 128, device=dev, dtype=torch.bfloat16)
+    shape = (1, 32 * 128)
+    forms = {
+        "torch.empty(device=torch.device)": lambda: torch.empty(shape, dtype=torch.bfloat16, device=dev),
+        "torch.empty(device=int)": lambda: torch.empty(shape, dtype=torch.bfloat16, device=0),
+        "torch.empty(device='cuda')": lambda: torch.empty(shape, dtype=torch.bfloat16, device="cuda"),
+        "Tensor.new_empty": lambda: ref.new_empty(shape),
+        "Tensor.new_empty(dtype=)": lambda: ref.new_empty(shape, dtype=torch.float32),
+        "torch.empty_strided": lambda: torch.empty_strided(shape, (4096, 1), dtype=torch.bfloat16,
+                                                           device=dev),
+        "torch.empty_like": lambda: torch.empty_like(ref),
+        "no-op (loop cost)": lambda: None,
+    }
+    rows = []
+    for _ in range(2):   # two rounds, interleaved forms
+        for name, fn in forms.items():
+            rows.append(dict(what="alloc", form=name, host_us=host_overhead(fn, "torch") * 1e6))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--only", default="small,threshold,alloc")
+    a = ap.parse_args()
+    rows = []
+    for part in a.only.split(","):
+        rows += {"small": small, "small2": small2, "tune": tune, "ab": ab, "threshold": threshold,
+                 "alloc": alloc}[part]()
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / "exp_merge_small.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

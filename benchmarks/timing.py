@@ -2,6 +2,9 @@
 
 - ``kernel_time_torch``: CUDA-event median over many runs with L2 flushed
   before each run (triton.testing.do_bench) — GPU time of the torch launch.
+- ``graph_cold_time_torch``: the same from one CUDA graph over enough input
+  sets that each call reads cold (GPU time without the host; steadier than
+  do_bench for kernels of a few microseconds).
 - ``pipelined_time``: enqueue ``reps`` calls back to back (rotating between
   input sets so nothing stays in L2) and wait once; per-call time is
   max(GPU time, host dispatch time). This is how the JAX side is timed (JAX
@@ -50,6 +53,24 @@ def graph_time_torch(fn, n_sets: int, reps_per_set: int = 4) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) * 1e-3 / reps)
     return statistics.median(times)
+
+
+def graph_cold_time_torch(fn, nbytes_per_set: int, make_set=None) -> float:
+    """Seconds per call of ``fn(i)`` replayed from one CUDA graph of one call on
+    each of K input sets (i = 0 .. K-1), K such that the sets together hold
+    about 128 MiB, 2.5x the H200's L2 (8 <= K <= 2048): each call reads its
+    inputs cold, with no host time between launches. ``make_set(i)``, when
+    given, is called once per i before the capture (allocating the sets)."""
+    k = cold_sets(nbytes_per_set)
+    if make_set is not None:
+        for i in range(k):
+            make_set(i)
+    return graph_time_torch(fn, n_sets=k, reps_per_set=1)
+
+
+def cold_sets(nbytes_per_set: int) -> int:
+    """How many input sets graph_cold_time_torch rotates over."""
+    return max(8, min(2048, -(-128 * 2 ** 20 // nbytes_per_set)))
 
 
 def pipelined_time(calls, framework: str, reps: int = 200, trials: int = 5) -> float:

@@ -47,15 +47,14 @@ def _time(fn):
 
 
 def _graph_cold_us(fn_set, nbytes_per_set: int):
-    """GPU time per call inside one CUDA graph of calls over rotating input sets
-    whose bytes together exceed 2.5x the L2 (each set is read cold), no host
-    time between launches: ``fn_set(i)`` calls on set i."""
-    from benchmarks.timing import graph_time_torch
-    return graph_time_torch(fn_set, n_sets=_n_sets(nbytes_per_set), reps_per_set=1) * 1e6
+    """GPU time per call inside one CUDA graph over cold input sets (timing.py)."""
+    from benchmarks.timing import graph_cold_time_torch
+    return graph_cold_time_torch(fn_set, nbytes_per_set) * 1e6
 
 
 def _n_sets(nbytes_per_set: int) -> int:
-    return max(8, min(2048, -(-128 * 2 ** 20 // nbytes_per_set)))
+    from benchmarks.timing import cold_sets
+    return cold_sets(nbytes_per_set)
 
 
 def _cases_rows(cases, trials, tilings, graph=False, configs=None):

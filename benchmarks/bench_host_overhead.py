@@ -12,7 +12,7 @@ op from a kernel-bound one. ``wall_us``: CUDA-event time of back-to-back eager c
 
 The floor of an eager call on this host, measured beside it: ``launcher_us``, the
 compiled kernels' own C launchers called with their final arguments (what is left
-when every line of Python is gone), ``alloc_us``, the ``torch.empty`` / ``torch.zeros``
+when every line of Python is gone), ``alloc_us``, the ``torch.empty_strided`` / ``torch.zeros``
 calls of the buffers the op returns or allocates per call, ``check_us``, the layout
 read that a call which checks its arguments cannot skip (shape, strides, dtype and
 device of each argument tensor the launches read or write, hashed into one key and
@@ -49,7 +49,7 @@ def _recorded(call):
 
     def program(plan):
         prog = orig_program(plan)
-        allocs.extend(_alloc(ex, a) for a in prog.allocs if a[3] in (ex._EMPTY, ex._ZEROS))
+        allocs.extend(_alloc(ex, a) for a in prog.allocs if a[4] in (ex._EMPTY, ex._ZEROS))
         buffers.update(plan.buffers)
         return prog
     ex._launch, ex._program = spy, program
@@ -75,9 +75,10 @@ def _direct(ex, recipe, env, runtime, device_index):
 
 def _alloc(ex, a):
     import torch
-    name, shape, dtype, mode, _ = a
-    fn = torch.zeros if mode == ex._ZEROS else torch.empty
-    return lambda: fn(shape, dtype=dtype, device="cuda")
+    name, shape, strides, dtype, mode, _ = a
+    if mode == ex._ZEROS:
+        return lambda: torch.zeros(shape, dtype=dtype, device="cuda")
+    return lambda: torch.empty_strided(shape, strides, dtype=dtype, device="cuda")
 
 
 def _floor_us(floor):

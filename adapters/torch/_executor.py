@@ -149,7 +149,7 @@ def _run_gpu(prog, tensors: dict, runtime, device) -> dict:
     if prog.allocs:
         env = dict(tensors)
         capturing = None
-        for name, shape, dtype, mode, buf in prog.allocs:
+        for name, shape, strides, dtype, mode, buf in prog.allocs:
             if mode is _PER_STREAM:
                 if capturing is None:
                     capturing = torch.cuda.is_current_stream_capturing()
@@ -158,7 +158,7 @@ def _run_gpu(prog, tensors: dict, runtime, device) -> dict:
                     continue
                 mode = _ZEROS if buf.zero_init else _EMPTY
             if mode is _EMPTY:
-                env[name] = torch.empty(shape, dtype=dtype, device=device)
+                env[name] = _empty_strided(shape, strides, dtype=dtype, device=device)
             elif mode is _ZEROS:
                 env[name] = torch.zeros(shape, dtype=dtype, device=device)
             else:
@@ -246,15 +246,31 @@ _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+# NOTE: a contiguous buffer is made by torch.empty_strided with its strides
+# worked out in advance: 2.25 us of host time per call against 3.5-3.7 us for
+# torch.empty of the same shape (H200 host, 2026-11-25,
+# benchmarks/experiments/exp_merge_small.py --only alloc).
+_empty_strided = torch.empty_strided
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 class _Program:
     """A plan's GPU run, worked out once: the buffers to make, as (name, shape,
-    torch dtype, mode, Buffer), and the launches with their recipes."""
+    contiguous strides, torch dtype, mode, Buffer), and the launches with their
+    recipes."""
     __slots__ = ("plan", "allocs", "launches")
 
     def __init__(self, plan):
         self.plan = plan
         self.allocs = tuple(
-            (name, tuple(buf.shape), TORCH_DTYPES[buf.dtype],
+            (name, tuple(buf.shape), _contiguous_strides(buf.shape), TORCH_DTYPES[buf.dtype],
              _PLACEHOLDER if buf.placeholder else _PER_STREAM if buf.per_stream
              else _ZEROS if buf.zero_init else _EMPTY, buf)
             for name, buf in plan.buffers.items())

@@ -54,16 +54,16 @@ def make_ideal_decode():
             tensors = dict(q=q, k=k, v=v, kv_caches=kv_caches, slope_rate=slope_rate, slot_idx=slot_idx)
             plan, device = ex.planned(plan_linear_decode, tensors, config=None)
             prog = ex._program(plan)
-            if key is not None and len(prog.launches) == 1 and [a[3] for a in prog.allocs] == [ex._EMPTY]:
-                (name, shape, dtype, _, _), = prog.allocs
+            if key is not None and len(prog.launches) == 1 and [a[4] for a in prog.allocs] == [ex._EMPTY]:
+                (name, shape, strides, dtype, _, _), = prog.allocs
                 recipe = prog.launches[0][1]
                 order = [("output" if n == name else n) for n in recipe.ptr_names]
                 pick = operator.itemgetter(*[["q", "k", "v", "kv_caches", "slope_rate", "slot_idx",
                                               "output"].index(n) for n in order])
-                cache[key] = (shape, dtype, q.device, device.index, recipe, pick)
+                cache[key] = (shape, strides, dtype, q.device, device.index, recipe, pick)
             return out
-        shape, dtype, device, index, recipe, pick = hit
-        out = torch.empty(shape, dtype=dtype, device=device)
+        shape, strides, dtype, device, index, recipe, pick = hit
+        out = torch.empty_strided(shape, strides, dtype=dtype, device=device)
         ptrs = [t.data_ptr() for t in pick((q, k, v, kv_caches, slope_rate, slot_idx, out))]
         entry = recipe.compiled.get(index if not reduce(or_, ptrs, 0) & 15 else ex._spec(index, ptrs, ()))
         if entry is None or index != ex._current_device() or ex._hooks_set():

@@ -85,6 +85,9 @@ def stub_gpu():
     ex._current_device = lambda: 0
     ex._raw_stream = lambda index: 0
     ex._FAST_PATH = True
+    if hasattr(ex, "_empty_strided"):  # the executor's allocation since 2026-11-25
+        empty_strided = torch.empty_strided
+        ex._empty_strided = lambda *args, device=None, **kwargs: empty_strided(*args, **kwargs)
     if hasattr(ex, "_COMPILED"):  # the executor before 2026-11-25 (one table of compiled kernels)
         ex._COMPILED = _AlwaysCompiled()
         return

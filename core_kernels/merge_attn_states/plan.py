@@ -27,7 +27,8 @@ class MergeConfig:
 
 # NOTE: the tiling by input itemsize and size (elements E = N * H * padded D):
 # for each itemsize, (largest E, config) in order. From the H200 tuning run of
-# 2026-11-25 (benchmarks/experiments/exp_merge_small.py --only tune; x 32 heads,
+# 2026-11-25 on da7485c's kernel (benchmarks/experiments/exp_merge_small.py
+# --only tune, results/2026-11-25-merge-small/exp_merge_small_tune.json; x 32 heads,
 # bf16 and fp32, GPU time per call in a CUDA graph over cold inputs, vLLM's
 # kernel in the same run):
 # - a tiny merge (N = 1) is latency-bound: one row per one-warp program with the
@@ -37,8 +38,7 @@ class MergeConfig:
 # - 16-bit up to 4096 x 32: 512-element tiles, 2 warps, load_first: N = 64
 #   2.56 us (vLLM 3.38, previous default 3.02), 256 4.07 (5.16), 1024 9.13
 #   (11.09), 4096 28.19 (29.58). At 16384 x 32 the 2048/2 tiles without
-#   load_first stay best (100.3 vs 104.8 us; 94.6% of copy bandwidth per call
-#   earlier, see RESULTS.md).
+#   load_first stay best (100.3 vs 104.8 us in the graph).
 # - fp32: one row per warp with load_first up to 64 x 32 (3.14 us, vLLM 3.82,
 #   previous 4.06); 512/2 with load_first to 2^20 elements (64 x 128 6.05 vs
 #   6.41); 512/2 without it above (1024 x 32 15.47 vs 16.39; 4096 49.8 vs 52.0;

@@ -1,6 +1,6 @@
 """Small merges against vLLM's kernel, and what an output allocation costs the host (GPU only).
 
-    python -m benchmarks.experiments.exp_merge_small [--out DIR] [--only small,small2,tune,threshold,alloc]
+    python -m benchmarks.experiments.exp_merge_small [--out DIR] [--only small,small2,tune,ab,bwd,threshold,alloc]
 
 ``small``: merge_attn_states at N = 1 and 64 tokens x 32 / 64 / 128 heads x 128,
 bf16 / fp16 / fp32. vLLM's kernel (``.peer/vllm_merge.py``, see
@@ -18,6 +18,8 @@ together exceed the L2 2.5x (no host time, cold reads).
 
 ``tune``: chosen tilings with and without load_first from 1 to 16384 tokens
 (x 32 heads; and 64 x 128 heads), bf16 and fp32, both timings.
+
+``bwd``: the backward kernel's tilings, 64 to 16384 tokens, bf16 and fp32.
 
 ``threshold``: the same variants at N = 256 ... 4096 x 32 heads (where the
 small tiling stops paying), three alternated trials each.
@@ -207,6 +209,63 @@ def ab(trials: int = 5):
     return rows
 
 
+BWD_CONFIGS = ((512, 2), (1024, 4), (2048, 2), (2048, 4), (2048, 8), (4096, 8))
+
+
+def bwd(trials: int = 3):
+    """The backward kernel's tilings (BACKWARD_CONFIGS, not measured before):
+    64 to 16384 tokens x 32 heads x 128, bf16 and fp32, with an output-LSE
+    gradient; GPU time per call by alternated do_bench runs and in the cold CUDA
+    graph, and the bytes it moves (reads prefix, suffix and gradient, writes two
+    gradients) over the time as a share of the copy rate."""
+    import torch
+    from adapters.torch._executor import info, run_plan, target_for
+    from benchmarks.timing import copy_bandwidth, graph_cold_time_torch, cold_sets
+    from core_kernels.merge_attn_states import MergeConfig
+    from core_kernels.merge_attn_states.plan import plan_merge_attn_states_backward
+    copy_bw = copy_bandwidth()
+    rows = []
+    for dt in ("bfloat16", "float32"):
+        tdt = getattr(torch, dt)
+        for n in (64, 4096, 16384):
+            h, d = 32, 128
+            nbytes = 5 * n * h * d * tdt.itemsize + 6 * n * h * 4
+            k = cold_sets(nbytes) if n < 4096 else 8
+
+            def make():
+                return dict(prefix_output=torch.randn(n, h, d, device="cuda", dtype=tdt),
+                            prefix_lse=torch.randn(h, n, device="cuda") * 3,
+                            suffix_output=torch.randn(n, h, d, device="cuda", dtype=tdt),
+                            suffix_lse=torch.randn(h, n, device="cuda") * 3,
+                            grad_output=torch.randn(n, h, d, device="cuda", dtype=tdt),
+                            grad_output_lse=torch.randn(h, n, device="cuda"))
+            sets = [make() for _ in range(k)]
+            t0 = sets[0]
+            plans = {}
+            for cfg in [None] + [MergeConfig(t, w) for t, w in BWD_CONFIGS]:
+                plans["default" if cfg is None else f"tile{cfg.tile_elems}-w{cfg.num_warps}"] = \
+                    plan_merge_attn_states_backward(target_for(t0["prefix_output"].device),
+                                                    *(info(t0[a]) for a in t0), config=cfg)
+            ref = run_plan(plans["default"], t0, {})
+            times = {name: [] for name in plans}
+            for _ in range(trials):
+                for name, plan in plans.items():
+                    times[name].append(_time(lambda plan=plan: run_plan(plan, t0, {})))
+            for name, plan in plans.items():
+                got = run_plan(plan, t0, {})
+                same = all(torch.equal(got[r], ref[r]) for r in ("grad_prefix_output", "grad_prefix_lse",
+                                                                 "grad_suffix_output", "grad_suffix_lse"))
+                g = graph_cold_time_torch(lambda i, plan=plan: run_plan(plan, sets[i], {}), nbytes) * 1e6
+                t = statistics.median(times[name])
+                rows.append(dict(what="bwd", n=n, h=h, d=d, dtype=dt, variant=name, median_us=t,
+                                 graph_cold_us=g, pct_copy=100 * nbytes / (t * 1e-6) / copy_bw,
+                                 bitwise_vs_default=same))
+                print(json.dumps(rows[-1]), flush=True)
+            del sets, t0, ref
+            torch.cuda.empty_cache()
+    return rows
+
+
 def threshold(trials: int = 3):
     cases = [(n, 32, 128, dt) for dt in ("float32", "bfloat16") for n in (256, 512, 1024, 4096)]
     tilings = ((256, 1), (512, 2), (1024, 4), (2048, 2), (2048, 8))
@@ -245,7 +304,7 @@ def main():
     a = ap.parse_args()
     rows = []
     for part in a.only.split(","):
-        rows += {"small": small, "small2": small2, "tune": tune, "ab": ab, "threshold": threshold,
+        rows += {"small": small, "small2": small2, "tune": tune, "ab": ab, "bwd": bwd, "threshold": threshold,
                  "alloc": alloc}[part]()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "exp_merge_small.json").write_text(json.dumps(rows, indent=1))

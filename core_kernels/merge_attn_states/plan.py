@@ -221,10 +221,15 @@ def _launch(p: _Problem, config: MergeConfig, prefix_output, prefix_lse, suffix_
 NO_FP8_BACKWARD = ("output_scale: merge_attn_states with an fp8 output (output_scale given) has no "
                    "backward; merge in the input dtype to train through it, and quantise afterwards")
 
-# NOTE: not measured yet: the backward reads three [N, H, D] tiles (prefix, suffix,
-# grad) and writes two, so it starts from the forward's 2048-element tiles with
-# 4 warps; tune on a GPU with benchmarks/bench_merge_attn_states.py.
-BACKWARD_CONFIGS = {2: MergeConfig(2048, 4), 4: MergeConfig(2048, 4)}
+# NOTE: the backward reads three [N, H, D] tiles (prefix, suffix, gradient) and
+# writes two. 512-element tiles with 2 warps were the fastest or tied at every
+# size measured (H200, 2026-11-25, 13ec56e's kernel, exp_merge_small.py --only bwd,
+# results/2026-11-25-merge-small/exp_merge_small_bwd.json; x 32 heads x 128, GPU
+# time per call, do_bench): bf16 16384 tokens 168.3 us (95.6% of the copy rate)
+# against 199.2 for the 2048/4 tiles used before, 4096 49.0 vs 55.7, 64 5.4 vs 6.4;
+# fp32 16384 324.0 vs 330.5 (98.4%), 4096 87.5 vs 89.7, 64 (CUDA graph) 4.15 vs
+# 4.68. Every tiling gave the same bits.
+BACKWARD_CONFIGS = {2: MergeConfig(512, 2), 4: MergeConfig(512, 2)}
 
 
 @memoize

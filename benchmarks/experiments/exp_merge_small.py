@@ -1,6 +1,6 @@
 """Small merges against vLLM's kernel, and what an output allocation costs the host (GPU only).
 
-    python -m benchmarks.experiments.exp_merge_small [--out DIR] [--only small,small2,tune,ab,bwd,threshold,alloc]
+    python -m benchmarks.experiments.exp_merge_small [--out DIR] [--only small,small2,tune,ab,bwd,roofline,big,threshold,alloc]
 
 ``small``: merge_attn_states at N = 1 and 64 tokens x 32 / 64 / 128 heads x 128,
 bf16 / fp16 / fp32. vLLM's kernel (``.peer/vllm_merge.py``, see
@@ -20,6 +20,11 @@ together exceed the L2 2.5x (no host time, cold reads).
 (x 32 heads; and 64 x 128 heads), bf16 and fp32, both timings.
 
 ``bwd``: the backward kernel's tilings, 64 to 16384 tokens, bf16 and fp32.
+
+``roofline``: the merge at 16384 tokens against an add of its two value
+tensors (the same bytes, no LSE arithmetic) and a copy of the same bytes.
+
+``big``: more tilings at 16384 and 4096 x 32 x 128 bf16.
 
 ``threshold``: the same variants at N = 256 ... 4096 x 32 heads (where the
 small tiling stops paying), three alternated trials each.
@@ -266,6 +271,57 @@ def bwd(trials: int = 3):
     return rows
 
 
+def roofline(trials: int = 7):
+    """What a merge's traffic can reach: at 16384 x 32 x 128 (and 64 heads),
+    bf16 and fp32, our merge against kernels moving the same bytes in the same
+    pattern without its arithmetic: torch.add(a, b, out=c) over [N, H, D] (two
+    reads, one write: the merge's values) and a copy of the same total bytes
+    (one read, one write), alternated, do_bench medians; plus the 2 GiB copy
+    that the issue's 93% target is stated against."""
+    import torch
+    import adapters.torch as at
+    from benchmarks.timing import copy_bandwidth
+    rows = [dict(what="roofline", case="copy 2 GiB", tbps=copy_bandwidth() / 1e12)]
+    print(json.dumps(rows[-1]), flush=True)
+    for h, dt in ((32, "bfloat16"), (32, "float32"), (64, "bfloat16")):
+        n, d = 16384, 128
+        tdt = getattr(torch, dt)
+        po, so = (torch.randn(n, h, d, device="cuda", dtype=tdt) for _ in range(2))
+        pl, sl = (torch.randn(h, n, device="cuda") * 3 for _ in range(2))
+        out, lse = torch.empty_like(po), torch.empty_like(pl)
+        nbytes = 3 * po.numel() * po.element_size() + 3 * pl.numel() * 4
+        src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        calls = {"merge": lambda: at.merge_attn_states(out, po, pl, so, sl, lse),
+                 "add a+b->c": lambda: torch.add(po, so, out=out),
+                 "copy same bytes": lambda: dst.copy_(src)}
+        times = {k: [] for k in calls}
+        for _ in range(trials):
+            for k, fn in calls.items():
+                times[k].append(_time(fn))
+        moved = {"merge": nbytes, "add a+b->c": 3 * po.numel() * po.element_size(), "copy same bytes": nbytes}
+        for k in calls:
+            t = statistics.median(times[k])
+            rows.append(dict(what="roofline", case=f"{n}x{h}x{d} {dt}", variant=k, median_us=t,
+                             range_us=[min(times[k]), max(times[k])], nbytes=moved[k],
+                             tbps=moved[k] / (t * 1e-6) / 1e12,
+                             pct_copy_2gib=100 * moved[k] / (t * 1e-6) / 1e12 / rows[0]["tbps"]))
+            print(json.dumps(rows[-1]), flush=True)
+        del po, so, pl, sl, out, lse, src, dst
+        torch.cuda.empty_cache()
+    return rows
+
+
+def big(trials: int = 5):
+    """16384 x 32 x 128 bf16 (the 93%-of-copy target's shape) and 4096 x 32:
+    tilings not in the earlier sweeps (1024 or 2048 elements with one or two warps,
+    with and without load_first) against the default, alternated, both timings."""
+    cases = [(n, 32, 128, "bfloat16") for n in (16384, 4096)]
+    configs = ((1024, 1), (1024, 2), (2048, 1), (1024, 1, True), (1024, 2, True), (2048, 1, True),
+               (2048, 2), (4096, 4))
+    return [dict(what="big", **r) for r in _cases_rows(cases, trials, (), graph=True, configs=configs)]
+
+
 def threshold(trials: int = 3):
     cases = [(n, 32, 128, dt) for dt in ("float32", "bfloat16") for n in (256, 512, 1024, 4096)]
     tilings = ((256, 1), (512, 2), (1024, 4), (2048, 2), (2048, 8))
@@ -304,7 +360,7 @@ def main():
     a = ap.parse_args()
     rows = []
     for part in a.only.split(","):
-        rows += {"small": small, "small2": small2, "tune": tune, "ab": ab, "bwd": bwd, "threshold": threshold,
+        rows += {"small": small, "small2": small2, "tune": tune, "ab": ab, "bwd": bwd, "roofline": roofline, "big": big, "threshold": threshold,
                  "alloc": alloc}[part]()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "exp_merge_small.json").write_text(json.dumps(rows, indent=1))

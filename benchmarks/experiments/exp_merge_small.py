@@ -1,6 +1,6 @@
 """Small merges against vLLM's kernel, and what an output allocation costs the host (GPU only).
 
-    python -m benchmarks.experiments.exp_merge_small [--out DIR] [--only small,small2,tune,ab,bwd,roofline,big,threshold,alloc]
+    python -m benchmarks.experiments.exp_merge_small [--out DIR] [--only small,small2,tune,ab,bwd,roofline,big,probe,threshold,alloc]
 
 ``small``: merge_attn_states at N = 1 and 64 tokens x 32 / 64 / 128 heads x 128,
 bf16 / fp16 / fp32. vLLM's kernel (``.peer/vllm_merge.py``, see
@@ -26,6 +26,8 @@ tensors (the same bytes, no LSE arithmetic) and a copy of the same bytes.
 
 ``big``: more tilings at 16384 and 4096 x 32 x 128 bf16.
 
+``probe``: the 16384 x 32 bf16 merge with parts of its LSE traffic switched off.
+
 ``threshold``: the same variants at N = 256 ... 4096 x 32 heads (where the
 small tiling stops paying), three alternated trials each.
 
@@ -43,7 +45,11 @@ import os
 import statistics
 from pathlib import Path
 
+import triton
+import triton.language as tl
+
 from benchmarks.bench_merge_attn_states import vllm_merge
+from core_kernels.merge_attn_states.kernels import _merge_weights, _row_offsets, _row_tile
 
 TILINGS = ((128, 1), (256, 1), (512, 1), (512, 2), (1024, 4), (2048, 8))
 
@@ -322,6 +328,123 @@ def big(trials: int = 5):
     return [dict(what="big", **r) for r in _cases_rows(cases, trials, (), graph=True, configs=configs)]
 
 
+@triton.jit
+def _weights_variant(p_raw, s_raw, DIV: tl.constexpr):
+    """core_kernels' _merge_weights with its two IEEE divisions replaced:
+    DIV = 1 approximate division (div.full.f32), 2 one IEEE reciprocal and two
+    products. Returns (p_empty, s_empty, m, w_p, w_s, w_sum_safe)."""
+    p = tl.where(p_raw == float("inf"), float("-inf"), p_raw)
+    s = tl.where(s_raw == float("inf"), float("-inf"), s_raw)
+    p_empty = p == float("-inf")
+    s_empty = s == float("-inf")
+    both_empty = p_empty & s_empty
+    m = tl.where(both_empty, 0.0, tl.maximum(p, s))
+    w_p = tl.exp(p - m)
+    w_s = tl.exp(s - m)
+    w_sum_safe = tl.where(both_empty, 1.0, w_p + w_s)
+    if DIV == 1:
+        w_p = w_p / w_sum_safe
+        w_s = w_s / w_sum_safe
+    else:
+        r = tl.math.div_rn(tl.full(w_sum_safe.shape, 1.0, tl.float32), w_sum_safe)
+        w_p = w_p * r
+        w_s = w_s * r
+    w_p = tl.where(both_empty, 0.0, w_p)
+    w_s = tl.where(both_empty, 0.0, w_s)
+    return p_empty, s_empty, m, w_p, w_s, w_sum_safe
+
+
+@triton.jit
+def _probe_kernel(po_ptr, pl_ptr, so_ptr, sl_ptr, out_ptr, olse_ptr, num_rows, num_heads, n_tok,
+                  stride_t, stride_h, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                  LSE_LOADS: tl.constexpr, LSE_STORE: tl.constexpr, WEIGHTS_RN: tl.constexpr,
+                  LSE_MASKED: tl.constexpr):
+    """A merge with parts switched off (LSE_LOADS / LSE_STORE), on the production
+    kernel's row tiles and helpers: what the LSE traffic costs. WEIGHTS_RN: 1 the
+    production's weights (_merge_weights: empty parts, IEEE division), 2 and 3 the
+    same with approximate division or one IEEE reciprocal (_weights_variant),
+    0 a plain max / exp / approximate division; LSE_MASKED: the values' loads
+    masked by the LSEs (an empty part's values never loaded), as production."""
+    o_r, m_r, o_t, o_h, o_d, m_d, m_ctx = _row_tile(pl_ptr, num_rows, num_heads, n_tok,
+                                                    BLOCK_R, BLOCK_D, BLOCK_D, False)
+    m_p = m_r
+    m_s = m_r
+    if LSE_LOADS:
+        p = tl.load(pl_ptr + o_h * n_tok + o_t, mask=m_r, other=0.0)
+        s = tl.load(sl_ptr + o_h * n_tok + o_t, mask=m_r, other=0.0)
+        if WEIGHTS_RN == 1:
+            p_empty, s_empty, both_empty, m, w_p, w_s, tot = _merge_weights(p, s)
+            if LSE_MASKED:
+                m_p = m_r & ~p_empty
+                m_s = m_r & ~s_empty
+        elif WEIGHTS_RN > 1:
+            p_empty, s_empty, m, w_p, w_s, tot = _weights_variant(p, s, WEIGHTS_RN - 1)
+            if LSE_MASKED:
+                m_p = m_r & ~p_empty
+                m_s = m_r & ~s_empty
+        else:
+            m = tl.maximum(p, s)
+            w_p = tl.exp(p - m)
+            w_s = tl.exp(s - m)
+            tot = w_p + w_s
+            w_p = w_p / tot
+            w_s = w_s / tot
+    else:
+        w_p = tl.full([BLOCK_R], 0.5, tl.float32)
+        w_s = tl.full([BLOCK_R], 0.5, tl.float32)
+        tot = tl.full([BLOCK_R], 1.0, tl.float32)
+        m = tl.full([BLOCK_R], 0.0, tl.float32)
+    mask = m_r[:, None] & m_d[None, :]
+    offs = _row_offsets(o_t, o_h, stride_t, stride_h, 1)[:, None] + o_d[None, :]
+    a = tl.load(po_ptr + offs, mask=m_p[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+    b = tl.load(so_ptr + offs, mask=m_s[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, (a * w_p[:, None] + b * w_s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+    if LSE_STORE:
+        tl.store(olse_ptr + o_h * n_tok + o_t, tl.log(tot) + m, mask=m_r)
+
+
+def probe(trials: int = 7):
+    """16384 x 32 x 128 bf16, 2048/2 tiles: the production merge against the
+    probe with no LSE traffic, with the LSE loads only, and with loads and
+    store (the production's traffic without its edge-case logic), and the add
+    of the value tensors; alternated do_bench medians."""
+    import torch
+    import adapters.torch as at
+    kernel = _probe_kernel
+    n, h, d = 16384, 32, 128
+    po, so = (torch.randn(n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    pl, sl = (torch.randn(h, n, device="cuda") * 3 for _ in range(2))
+    out, lse = torch.empty_like(po), torch.empty_like(pl)
+    rows_n, block_r = n * h, 16
+    grid = (rows_n // block_r,)
+
+    def run_probe(loads, store, rn=0, masked=False):
+        return lambda: kernel[grid](po, pl, so, sl, out, lse, rows_n, h, n, h * d, d, BLOCK_R=block_r,
+                                    BLOCK_D=d, LSE_LOADS=loads, LSE_STORE=store, WEIGHTS_RN=rn,
+                                    LSE_MASKED=masked, num_warps=2, num_stages=1)
+    calls = {"merge (production)": lambda: at.merge_attn_states(out, po, pl, so, sl, lse),
+             "probe: no LSE traffic": run_probe(False, False),
+             "probe: LSE loads": run_probe(True, False),
+             "probe: LSE loads and store": run_probe(True, True),
+             "probe: + production weights": run_probe(True, True, True),
+             "probe: + production weights, LSE-masked loads": run_probe(True, True, True, True),
+             "probe: + production weights, approximate division": run_probe(True, True, 2),
+             "probe: + production weights, approximate division, LSE-masked": run_probe(True, True, 2, True),
+             "probe: + production weights, one IEEE reciprocal": run_probe(True, True, 3),
+             "probe: + production weights, one IEEE reciprocal, LSE-masked": run_probe(True, True, 3, True),
+             "add a+b->c": lambda: torch.add(po, so, out=out)}
+    times = {k: [] for k in calls}
+    for _ in range(trials):
+        for k, fn in calls.items():
+            times[k].append(_time(fn))
+    rows = []
+    for k in calls:
+        rows.append(dict(what="probe", case="16384x32x128 bfloat16 2048/2", variant=k,
+                         median_us=statistics.median(times[k]), range_us=[min(times[k]), max(times[k])]))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def threshold(trials: int = 3):
     cases = [(n, 32, 128, dt) for dt in ("float32", "bfloat16") for n in (256, 512, 1024, 4096)]
     tilings = ((256, 1), (512, 2), (1024, 4), (2048, 2), (2048, 8))
@@ -360,7 +483,7 @@ def main():
     a = ap.parse_args()
     rows = []
     for part in a.only.split(","):
-        rows += {"small": small, "small2": small2, "tune": tune, "ab": ab, "bwd": bwd, "roofline": roofline, "big": big, "threshold": threshold,
+        rows += {"small": small, "small2": small2, "tune": tune, "ab": ab, "bwd": bwd, "roofline": roofline, "big": big, "probe": probe, "threshold": threshold,
                  "alloc": alloc}[part]()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     (Path(a.out) / "exp_merge_small.json").write_text(json.dumps(rows, indent=1))

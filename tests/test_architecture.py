@@ -470,3 +470,16 @@ def test_gpu_cached_launcher_respecialises_and_yields_to_hooks():
             triton.knobs.runtime.launch_enter_hook.remove(hook)
         assert len(calls) - before == (1 if hooked else 0)
         torch.testing.assert_close(out, ref(po, so, ptwc), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (5,), (3, 4, 5), (0, 4), (4, 0, 2), (7, 1, 3), (2, 1, 1, 9)],
+                         ids=str)
+def test_executor_buffers_are_contiguous(shape):
+    """The torch executor makes its buffers with torch.empty_strided and strides
+    worked out once per plan: those strides are torch.empty's own for every
+    shape (empty and size-1 dimensions included)."""
+    import torch
+    from adapters.torch._executor import _contiguous_strides
+    assert _contiguous_strides(shape) == torch.empty(shape).stride()
+    t = torch.empty_strided(shape, _contiguous_strides(shape))
+    assert t.is_contiguous()

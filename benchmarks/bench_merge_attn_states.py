@@ -149,19 +149,31 @@ def _gpu_times(ours, theirs, trials: int):
     return statistics.median(t_ours), statistics.median(t_theirs) if t_theirs else None
 
 
-def _graph_times(at, peer, n, h, d, dtype, nbytes) -> dict:
-    """GPU time per call in a CUDA graph over cold input sets (timing.py), ours
-    and vLLM's kernel: the merge alone, without do_bench's per-call events."""
+def graph_cold_us(peer, n, h, d, dtype, configs: dict) -> dict:
+    """GPU time per call (us) in a CUDA graph over cold input sets (timing.py):
+    our merge under each of ``configs`` (name -> MergeConfig or None, the
+    planner's choice) and, under "vllm", vLLM's kernel when ``peer`` is given;
+    the merge alone, without do_bench's per-call events."""
     import torch
-    k = timing.cold_sets(nbytes)
-    sets = _inputs(n, h, d, dtype, k)
+    import adapters.torch as at
+    itemsize = 4 if dtype == "float32" else 2
+    nbytes = 3 * n * h * d * itemsize + 3 * n * h * 4
+    sets = _inputs(n, h, d, dtype, timing.cold_sets(nbytes))
     outs = [(torch.empty_like(s[0]), torch.empty_like(s[1])) for s in sets]
-    row = dict(graph_us=1e6 * timing.graph_cold_time_torch(
-        lambda i: at.merge_attn_states(outs[i][0], *sets[i], output_lse=outs[i][1]), nbytes))
+    times = {name: 1e6 * timing.graph_cold_time_torch(
+        lambda i, cfg=cfg: at.merge_attn_states(outs[i][0], *sets[i], outs[i][1], config=cfg), nbytes)
+        for name, cfg in configs.items()}
     if peer is not None:
-        row["vllm_graph_us"] = 1e6 * timing.graph_cold_time_torch(
+        times["vllm"] = 1e6 * timing.graph_cold_time_torch(
             lambda i: peer(outs[i][0], *sets[i], output_lse=outs[i][1]), nbytes)
-        row["graph_vs_vllm"] = row["vllm_graph_us"] / row["graph_us"]
+    return times
+
+
+def _graph_row(peer, n, h, d, dtype) -> dict:
+    times = graph_cold_us(peer, n, h, d, dtype, {"ours": None})
+    row = dict(graph_us=times["ours"])
+    if "vllm" in times:
+        row.update(vllm_graph_us=times["vllm"], graph_vs_vllm=times["vllm"] / times["ours"])
     return row
 
 
@@ -212,7 +224,7 @@ def run():
                        vs_jnp=t_j / min(t_jax, t_torch_pipe), baseline="torch.compile",
                        baseline_us=t_c * 1e6)
         if n < 4096:
-            row.update(_graph_times(at, peer, n, h, d, dtype, nbytes))
+            row.update(_graph_row(peer, n, h, d, dtype))
         if peer is not None:
             # the modelled kernel, GPU time the same way (its output checked against ours)
             close = bool(torch.allclose(v_out.float(), outs[0][0].float(), atol=2e-2, rtol=2e-2))

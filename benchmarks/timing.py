@@ -55,17 +55,12 @@ def graph_time_torch(fn, n_sets: int, reps_per_set: int = 4) -> float:
     return statistics.median(times)
 
 
-def graph_cold_time_torch(fn, nbytes_per_set: int, make_set=None) -> float:
+def graph_cold_time_torch(fn, nbytes_per_set: int) -> float:
     """Seconds per call of ``fn(i)`` replayed from one CUDA graph of one call on
-    each of K input sets (i = 0 .. K-1), K such that the sets together hold
-    about 128 MiB, 2.5x the H200's L2 (8 <= K <= 2048): each call reads its
-    inputs cold, with no host time between launches. ``make_set(i)``, when
-    given, is called once per i before the capture (allocating the sets)."""
-    k = cold_sets(nbytes_per_set)
-    if make_set is not None:
-        for i in range(k):
-            make_set(i)
-    return graph_time_torch(fn, n_sets=k, reps_per_set=1)
+    each of K input sets (i = 0 .. K-1, K = cold_sets(nbytes_per_set): the sets
+    together hold about 128 MiB, 2.5x the H200's L2): each call reads its inputs
+    cold, with no host time between launches."""
+    return graph_time_torch(fn, n_sets=cold_sets(nbytes_per_set), reps_per_set=1)
 
 
 def cold_sets(nbytes_per_set: int) -> int:

@@ -29,11 +29,8 @@ commit cc598c4 with the prototype.)
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib.util
-import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +38,7 @@ import triton
 import triton.language as tl
 
 from benchmarks.bench_merge_attn_states import vllm_merge
+from benchmarks.experiments import run_parts
 from core_kernels.blocksparse_attention.kernels import _attend_block, _count_below, _sum
 
 PEER = Path(__file__).resolve().parents[2] / ".peer"
@@ -386,16 +384,8 @@ def copy_sizes():
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--only", default="probe,l2,merge")
-    a = ap.parse_args()
-    rows = []
-    for part in a.only.split(","):
-        rows += {"probe": probe, "l2": l2, "merge": merge, "merge_repeat": merge_repeat,
-                 "bsfwd": bsfwd, "copy": copy_sizes}[part]()
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / "exp_frontier_bounds.json").write_text(json.dumps(rows, indent=1))
+    run_parts("exp_frontier_bounds", {"probe": probe, "l2": l2, "merge": merge, "merge_repeat": merge_repeat,
+                                      "bsfwd": bsfwd, "copy": copy_sizes}, default="probe,l2,merge")
 
 
 if __name__ == "__main__":

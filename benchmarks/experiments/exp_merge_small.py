@@ -38,17 +38,16 @@ Tensor.new_empty; torch.empty_strided), enqueued back to back with the GPU idle
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import os
 import statistics
 from pathlib import Path
 
 import triton
 import triton.language as tl
 
-from benchmarks.bench_merge_attn_states import vllm_merge
+from benchmarks.bench_merge_attn_states import graph_cold_us, vllm_merge
+from benchmarks.experiments import run_parts
 from core_kernels.merge_attn_states.kernels import _merge_weights, _row_offsets, _row_tile
 
 TILINGS = ((128, 1), (256, 1), (512, 1), (512, 2), (1024, 4), (2048, 8))
@@ -57,17 +56,6 @@ TILINGS = ((128, 1), (256, 1), (512, 1), (512, 2), (1024, 4), (2048, 8))
 def _time(fn):
     from benchmarks.timing import kernel_time_torch
     return kernel_time_torch(fn, warmup_ms=10, rep_ms=100) * 1e6
-
-
-def _graph_cold_us(fn_set, nbytes_per_set: int):
-    """GPU time per call inside one CUDA graph over cold input sets (timing.py)."""
-    from benchmarks.timing import graph_cold_time_torch
-    return graph_cold_time_torch(fn_set, nbytes_per_set) * 1e6
-
-
-def _n_sets(nbytes_per_set: int) -> int:
-    from benchmarks.timing import cold_sets
-    return cold_sets(nbytes_per_set)
 
 
 def _cases_rows(cases, trials, tilings, graph=False, configs=None):
@@ -89,23 +77,7 @@ def _cases_rows(cases, trials, tilings, graph=False, configs=None):
         calls = {"vllm": lambda: peer(out, po, pl, so, sl, output_lse=lse)}
         for name, cfg in variants.items():
             calls[name] = lambda cfg=cfg: at.merge_attn_states(out, po, pl, so, sl, lse, config=cfg)
-        graph_us = {}
-        if graph:
-            nbytes = 3 * n * h * d * po.element_size() + 3 * n * h * 4
-            k = _n_sets(nbytes)
-            sets = [((torch.randn(n, h, d, device="cuda", dtype=tdt) for _ in range(2)),
-                     (torch.randn(h, n, device="cuda") * 3 for _ in range(2))) for _ in range(k)]
-            sets = [(*a, *b) for a, b in sets]
-            outs = [(torch.empty_like(po), torch.empty_like(pl)) for _ in range(k)]
-            for name, cfg in [("vllm", None)] + list(variants.items()):
-                if name == "vllm":
-                    f = lambda i: peer(outs[i][0], sets[i][0], sets[i][2], sets[i][1], sets[i][3],  # noqa: E731
-                                       output_lse=outs[i][1])
-                else:
-                    f = lambda i, cfg=cfg: at.merge_attn_states(  # noqa: E731
-                        outs[i][0], sets[i][0], sets[i][2], sets[i][1], sets[i][3], outs[i][1], config=cfg)
-                graph_us[name] = _graph_cold_us(f, nbytes)
-            del sets, outs
+        graph_us = graph_cold_us(peer, n, h, d, dt, variants) if graph else {}
         results = {}
         for name, fn in calls.items():
             out.fill_(float("nan"))
@@ -329,41 +301,14 @@ def big(trials: int = 5):
 
 
 @triton.jit
-def _weights_variant(p_raw, s_raw, DIV: tl.constexpr):
-    """core_kernels' _merge_weights with its two IEEE divisions replaced:
-    DIV = 1 approximate division (div.full.f32), 2 one IEEE reciprocal and two
-    products. Returns (p_empty, s_empty, m, w_p, w_s, w_sum_safe)."""
-    p = tl.where(p_raw == float("inf"), float("-inf"), p_raw)
-    s = tl.where(s_raw == float("inf"), float("-inf"), s_raw)
-    p_empty = p == float("-inf")
-    s_empty = s == float("-inf")
-    both_empty = p_empty & s_empty
-    m = tl.where(both_empty, 0.0, tl.maximum(p, s))
-    w_p = tl.exp(p - m)
-    w_s = tl.exp(s - m)
-    w_sum_safe = tl.where(both_empty, 1.0, w_p + w_s)
-    if DIV == 1:
-        w_p = w_p / w_sum_safe
-        w_s = w_s / w_sum_safe
-    else:
-        r = tl.math.div_rn(tl.full(w_sum_safe.shape, 1.0, tl.float32), w_sum_safe)
-        w_p = w_p * r
-        w_s = w_s * r
-    w_p = tl.where(both_empty, 0.0, w_p)
-    w_s = tl.where(both_empty, 0.0, w_s)
-    return p_empty, s_empty, m, w_p, w_s, w_sum_safe
-
-
-@triton.jit
 def _probe_kernel(po_ptr, pl_ptr, so_ptr, sl_ptr, out_ptr, olse_ptr, num_rows, num_heads, n_tok,
                   stride_t, stride_h, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                  LSE_LOADS: tl.constexpr, LSE_STORE: tl.constexpr, WEIGHTS_RN: tl.constexpr,
+                  LSE_LOADS: tl.constexpr, LSE_STORE: tl.constexpr, WEIGHTS: tl.constexpr,
                   LSE_MASKED: tl.constexpr):
     """A merge with parts switched off (LSE_LOADS / LSE_STORE), on the production
-    kernel's row tiles and helpers: what the LSE traffic costs. WEIGHTS_RN: 1 the
-    production's weights (_merge_weights: empty parts, IEEE division), 2 and 3 the
-    same with approximate division or one IEEE reciprocal (_weights_variant),
-    0 a plain max / exp / approximate division; LSE_MASKED: the values' loads
+    kernel's row tiles and helpers: what the LSE traffic costs. WEIGHTS: "plain"
+    max / exp / approximate division, else the production's _merge_weights (empty
+    parts) with that DIVISION ("rn" as production, "approx", "reciprocal"); LSE_MASKED: the values' loads
     masked by the LSEs (an empty part's values never loaded), as production."""
     o_r, m_r, o_t, o_h, o_d, m_d, m_ctx = _row_tile(pl_ptr, num_rows, num_heads, n_tok,
                                                     BLOCK_R, BLOCK_D, BLOCK_D, False)
@@ -372,13 +317,8 @@ def _probe_kernel(po_ptr, pl_ptr, so_ptr, sl_ptr, out_ptr, olse_ptr, num_rows, n
     if LSE_LOADS:
         p = tl.load(pl_ptr + o_h * n_tok + o_t, mask=m_r, other=0.0)
         s = tl.load(sl_ptr + o_h * n_tok + o_t, mask=m_r, other=0.0)
-        if WEIGHTS_RN == 1:
-            p_empty, s_empty, both_empty, m, w_p, w_s, tot = _merge_weights(p, s)
-            if LSE_MASKED:
-                m_p = m_r & ~p_empty
-                m_s = m_r & ~s_empty
-        elif WEIGHTS_RN > 1:
-            p_empty, s_empty, m, w_p, w_s, tot = _weights_variant(p, s, WEIGHTS_RN - 1)
+        if WEIGHTS != "plain":
+            p_empty, s_empty, both_empty, m, w_p, w_s, tot = _merge_weights(p, s, WEIGHTS)
             if LSE_MASKED:
                 m_p = m_r & ~p_empty
                 m_s = m_r & ~s_empty
@@ -418,20 +358,22 @@ def probe(trials: int = 7):
     rows_n, block_r = n * h, 16
     grid = (rows_n // block_r,)
 
-    def run_probe(loads, store, rn=0, masked=False):
+    def run_probe(loads, store, weights="plain", masked=False):
         return lambda: kernel[grid](po, pl, so, sl, out, lse, rows_n, h, n, h * d, d, BLOCK_R=block_r,
-                                    BLOCK_D=d, LSE_LOADS=loads, LSE_STORE=store, WEIGHTS_RN=rn,
+                                    BLOCK_D=d, LSE_LOADS=loads, LSE_STORE=store, WEIGHTS=weights,
                                     LSE_MASKED=masked, num_warps=2, num_stages=1)
     calls = {"merge (production)": lambda: at.merge_attn_states(out, po, pl, so, sl, lse),
              "probe: no LSE traffic": run_probe(False, False),
              "probe: LSE loads": run_probe(True, False),
              "probe: LSE loads and store": run_probe(True, True),
-             "probe: + production weights": run_probe(True, True, True),
-             "probe: + production weights, LSE-masked loads": run_probe(True, True, True, True),
-             "probe: + production weights, approximate division": run_probe(True, True, 2),
-             "probe: + production weights, approximate division, LSE-masked": run_probe(True, True, 2, True),
-             "probe: + production weights, one IEEE reciprocal": run_probe(True, True, 3),
-             "probe: + production weights, one IEEE reciprocal, LSE-masked": run_probe(True, True, 3, True),
+             "probe: + production weights": run_probe(True, True, "rn"),
+             "probe: + production weights, LSE-masked loads": run_probe(True, True, "rn", True),
+             "probe: + production weights, approximate division": run_probe(True, True, "approx"),
+             "probe: + production weights, approximate division, LSE-masked":
+                 run_probe(True, True, "approx", True),
+             "probe: + production weights, one IEEE reciprocal": run_probe(True, True, "reciprocal"),
+             "probe: + production weights, one IEEE reciprocal, LSE-masked":
+                 run_probe(True, True, "reciprocal", True),
              "add a+b->c": lambda: torch.add(po, so, out=out)}
     times = {k: [] for k in calls}
     for _ in range(trials):
@@ -477,16 +419,9 @@ def alloc():
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--only", default="small,threshold,alloc")
-    a = ap.parse_args()
-    rows = []
-    for part in a.only.split(","):
-        rows += {"small": small, "small2": small2, "tune": tune, "ab": ab, "bwd": bwd, "roofline": roofline, "big": big, "probe": probe, "threshold": threshold,
-                 "alloc": alloc}[part]()
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / "exp_merge_small.json").write_text(json.dumps(rows, indent=1))
+    run_parts("exp_merge_small", {"small": small, "small2": small2, "tune": tune, "ab": ab, "bwd": bwd,
+                                  "roofline": roofline, "big": big, "probe": probe, "threshold": threshold,
+                                  "alloc": alloc}, default="small,threshold,alloc")
 
 
 if __name__ == "__main__":

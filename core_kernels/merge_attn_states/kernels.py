@@ -32,7 +32,7 @@ def _row_tile(num_ctx_ptr, num_rows, num_heads, num_ctx_arg, BLOCK_R: tl.constex
 
 
 @triton.jit
-def _merge_weights(p_raw, s_raw):
+def _merge_weights(p_raw, s_raw, DIVISION: tl.constexpr = "rn"):
     """The two parts' normalised weights from their LSEs (+inf read as -inf: an
     empty part; an empty part's weight is exactly 0), shared by the forward and
     backward kernels: (p_empty, s_empty, both_empty, m, w_p, w_s, w_sum_safe),
@@ -47,9 +47,22 @@ def _merge_weights(p_raw, s_raw):
     w_p = tl.exp(p - m)
     w_s = tl.exp(s - m)
     w_sum_safe = tl.where(both_empty, 1.0, w_p + w_s)
-    # weights first, then multiply
-    w_p = tl.where(both_empty, 0.0, tl.math.div_rn(w_p, w_sum_safe))
-    w_s = tl.where(both_empty, 0.0, tl.math.div_rn(w_s, w_sum_safe))
+    # weights first, then multiply. DIVISION: "rn" correctly rounded (the
+    # kernels'); "approx" the GPU's approximate division (within 2 ulp) and
+    # "reciprocal" one correctly rounded reciprocal and two products are there
+    # for benchmarks/experiments/exp_merge_small.py's probe (RESULTS.md)
+    if DIVISION == "approx":
+        w_p = w_p / w_sum_safe
+        w_s = w_s / w_sum_safe
+    elif DIVISION == "reciprocal":
+        r = tl.math.div_rn(tl.full(w_sum_safe.shape, 1.0, tl.float32), w_sum_safe)
+        w_p = w_p * r
+        w_s = w_s * r
+    else:
+        w_p = tl.math.div_rn(w_p, w_sum_safe)
+        w_s = tl.math.div_rn(w_s, w_sum_safe)
+    w_p = tl.where(both_empty, 0.0, w_p)
+    w_s = tl.where(both_empty, 0.0, w_s)
     return p_empty, s_empty, both_empty, m, w_p, w_s, w_sum_safe
 
 
@@ -60,6 +73,12 @@ def _row_offsets(o_t, o_h, stride_t, stride_h, ROW_ALIGN: tl.constexpr):
     _triton_utils.jit), so the compiler knows each row starts 16 bytes aligned
     when they allow it; without that the JAX launch ran 8x slower (H200)."""
     return o_t * (stride_t * ROW_ALIGN) + o_h * (stride_h * ROW_ALIGN)
+
+
+@triton.jit
+def _row_ptrs(base_ptr, o_t, o_h, o_d, stride_t, stride_h, ROW_ALIGN: tl.constexpr):
+    """[BLOCK_R, BLOCK_D] pointers to channels o_d of the rows (o_t, o_h)."""
+    return base_ptr + (_row_offsets(o_t, o_h, stride_t, stride_h, ROW_ALIGN)[:, None] + o_d[None, :])
 
 
 @jit
@@ -87,10 +106,8 @@ def _merge_attn_states_kernel(
         # the values' loads wait for no LSE (issued before them); an empty
         # part's values are zeroed below by a select, so garbage or NaN there
         # cannot leak
-        p_po = prefix_out_ptr + (_row_offsets(o_t, o_h, stride_po_t, stride_po_h, ROW_ALIGN)[:, None]
-                                 + o_d[None, :])
-        p_so = suffix_out_ptr + (_row_offsets(o_t, o_h, stride_so_t, stride_so_h, ROW_ALIGN)[:, None]
-                                 + o_d[None, :])
+        p_po = _row_ptrs(prefix_out_ptr, o_t, o_h, o_d, stride_po_t, stride_po_h, ROW_ALIGN)
+        p_so = _row_ptrs(suffix_out_ptr, o_t, o_h, o_d, stride_so_t, stride_so_h, ROW_ALIGN)
         b_po = tl.load(p_po, mask=m_ctx[:, None] & m_d[None, :], other=0.0,
                        eviction_policy=EVICT)                      # [BLOCK_R, BLOCK_D]
         b_so = tl.load(p_so, mask=m_r[:, None] & m_d[None, :], other=0.0,
@@ -113,10 +130,8 @@ def _merge_attn_states_kernel(
         # NOTE: the pointers are formed here, after the weights: formed before the
         # LSE loads (as LOAD_FIRST needs them) this form ran 23% slower at
         # 16384x32x128 bf16, 2048/2 tiles (129.6 vs 105.1 us, H200, 2026-11-25)
-        p_po = prefix_out_ptr + (_row_offsets(o_t, o_h, stride_po_t, stride_po_h, ROW_ALIGN)[:, None]
-                                 + o_d[None, :])
-        p_so = suffix_out_ptr + (_row_offsets(o_t, o_h, stride_so_t, stride_so_h, ROW_ALIGN)[:, None]
-                                 + o_d[None, :])
+        p_po = _row_ptrs(prefix_out_ptr, o_t, o_h, o_d, stride_po_t, stride_po_h, ROW_ALIGN)
+        p_so = _row_ptrs(suffix_out_ptr, o_t, o_h, o_d, stride_so_t, stride_so_h, ROW_ALIGN)
         b_po = tl.load(p_po, mask=m_p_load, other=0.0, eviction_policy=EVICT).to(tl.float32)
         b_so = tl.load(p_so, mask=m_s_load, other=0.0, eviction_policy=EVICT).to(tl.float32)
     # one explicit fma: both load orders round alike (left to the compiler, the
@@ -180,9 +195,9 @@ def _merge_attn_states_bwd_kernel(
     # an empty part's values are never loaded (NaN garbage there cannot leak)
     m_p = m_ctx & ~p_empty
     m_s = m_ctx & ~s_empty
-    o_po = o_t * (stride_po_t * ROW_ALIGN) + o_h * (stride_po_h * ROW_ALIGN)
-    o_so = o_t * (stride_so_t * ROW_ALIGN) + o_h * (stride_so_h * ROW_ALIGN)
-    o_go = o_t * (stride_go_t * ROW_ALIGN) + o_h * (stride_go_h * ROW_ALIGN)
+    o_po = _row_offsets(o_t, o_h, stride_po_t, stride_po_h, ROW_ALIGN)
+    o_so = _row_offsets(o_t, o_h, stride_so_t, stride_so_h, ROW_ALIGN)
+    o_go = _row_offsets(o_t, o_h, stride_go_t, stride_go_h, ROW_ALIGN)
     b_po = tl.load(prefix_out_ptr + o_po[:, None] + o_d[None, :],
                    mask=m_p[:, None] & m_d[None, :], other=0.0).to(tl.float32)   # [BLOCK_R, BLOCK_D]
     b_so = tl.load(suffix_out_ptr + o_so[:, None] + o_d[None, :],

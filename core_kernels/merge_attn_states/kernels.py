@@ -32,7 +32,7 @@ def _row_tile(num_ctx_ptr, num_rows, num_heads, num_ctx_arg, BLOCK_R: tl.constex
 
 
 @triton.jit
-def _merge_weights(p_raw, s_raw, DIVISION: tl.constexpr = "rn"):
+def _merge_weights(p_raw, s_raw, DIVISION: tl.constexpr):
     """The two parts' normalised weights from their LSEs (+inf read as -inf: an
     empty part; an empty part's weight is exactly 0), shared by the forward and
     backward kernels: (p_empty, s_empty, both_empty, m, w_p, w_s, w_sum_safe),
@@ -52,17 +52,15 @@ def _merge_weights(p_raw, s_raw, DIVISION: tl.constexpr = "rn"):
     # "reciprocal" one correctly rounded reciprocal and two products are there
     # for benchmarks/experiments/exp_merge_small.py's probe (RESULTS.md)
     if DIVISION == "approx":
-        w_p = w_p / w_sum_safe
-        w_s = w_s / w_sum_safe
+        w_p = tl.where(both_empty, 0.0, w_p / w_sum_safe)
+        w_s = tl.where(both_empty, 0.0, w_s / w_sum_safe)
     elif DIVISION == "reciprocal":
         r = tl.math.div_rn(tl.full(w_sum_safe.shape, 1.0, tl.float32), w_sum_safe)
-        w_p = w_p * r
-        w_s = w_s * r
+        w_p = tl.where(both_empty, 0.0, w_p * r)
+        w_s = tl.where(both_empty, 0.0, w_s * r)
     else:
-        w_p = tl.math.div_rn(w_p, w_sum_safe)
-        w_s = tl.math.div_rn(w_s, w_sum_safe)
-    w_p = tl.where(both_empty, 0.0, w_p)
-    w_s = tl.where(both_empty, 0.0, w_s)
+        w_p = tl.where(both_empty, 0.0, tl.math.div_rn(w_p, w_sum_safe))
+        w_s = tl.where(both_empty, 0.0, tl.math.div_rn(w_s, w_sum_safe))
     return p_empty, s_empty, both_empty, m, w_p, w_s, w_sum_safe
 
 
@@ -118,7 +116,7 @@ def _merge_attn_states_kernel(
                     mask=m_ctx, other=float("-inf"))
     # +inf marks an empty key set in one backend, -inf in the other; NaN in p
     # or s makes the weights NaN, which then reach output and output_lse
-    p_empty, s_empty, both_empty, m, w_p, w_s, w_sum_safe = _merge_weights(p_raw, s_raw)
+    p_empty, s_empty, both_empty, m, w_p, w_s, w_sum_safe = _merge_weights(p_raw, s_raw, "rn")
 
     if LOAD_FIRST:
         b_po = tl.where(p_empty[:, None], 0.0, b_po.to(tl.float32))
@@ -190,7 +188,7 @@ def _merge_attn_states_bwd_kernel(
                     mask=m_ctx, other=float("-inf"))
     s_raw = tl.load(suffix_lse_ptr + o_h * stride_slse_h + o_t * stride_slse_t,
                     mask=m_ctx, other=float("-inf"))
-    p_empty, s_empty, both_empty, m, w_p, w_s, w_sum_safe = _merge_weights(p_raw, s_raw)
+    p_empty, s_empty, both_empty, m, w_p, w_s, w_sum_safe = _merge_weights(p_raw, s_raw, "rn")
 
     # an empty part's values are never loaded (NaN garbage there cannot leak)
     m_p = m_ctx & ~p_empty

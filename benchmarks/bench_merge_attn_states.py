@@ -78,7 +78,8 @@ def _inputs(n, h, d, dtype, k):
 
 
 def tile_sweep(copy_bw):
-    """Time tile sizes / warps for the headline shape (torch launch, cold L2)."""
+    """Time tile sizes / warps, load orders and row orders for the headline shape
+    (torch launch, cold L2)."""
     import torch
     from adapters.torch._executor import info, run_plan, target_for
     from core_kernels.merge_attn_states import MergeConfig, plan_merge_attn_states
@@ -90,14 +91,15 @@ def tile_sweep(copy_bw):
         nbytes = 3 * n * h * d * po.element_size() + 3 * n * h * 4
         for tile in (512, 2048, 4096):
             for warps in (2, 4, 8):
-                for first in (False, True):
+                for first, head_major in ((False, False), (True, False), (False, True)):
                     plan = plan_merge_attn_states(target_for(po.device), info(po), info(pl), info(so),
                                                   info(sl), info(out), info(lse),
-                                                  config=MergeConfig(tile, warps, "", first))
+                                                  config=MergeConfig(tile, warps, "", first, head_major))
                     tensors = dict(output=out, output_lse=lse, prefix_output=po, prefix_lse=pl,
                                    suffix_output=so, suffix_lse=sl)
                     t = timing.kernel_time_torch(lambda: run_plan(plan, tensors, {}))
-                    rows.append(dict(name=f"sweep-{dtype}-tile{tile}-w{warps}" + ("-loadfirst" if first else ""),
+                    rows.append(dict(name=f"sweep-{dtype}-tile{tile}-w{warps}" + ("-loadfirst" if first else "")
+                                     + ("-headmajor" if head_major else ""),
                                      torch_us=t * 1e6,
                                      **{"TB/s": nbytes / t / 1e12, "%copy": 100 * nbytes / t / copy_bw}))
     return rows

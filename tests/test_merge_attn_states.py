@@ -79,12 +79,14 @@ class MergeTests:
         assert_close(lse, ref_lse, "float32", "output_lse")
 
     @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-    @pytest.mark.parametrize("config", [None, MergeConfig(2048, 2, "", False)],
-                             ids=["default-values-first", "values-after-lses"])
+    @pytest.mark.parametrize("config", [None, MergeConfig(2048, 2, "", False),
+                                        MergeConfig(2048, 2, "", False, True)],
+                             ids=["default-values-first", "values-after-lses", "values-after-lses-head-major"])
     def test_edge_cases(self, dtype, config):
         """Every LSE edge case, with both load orders: the default at this size
         loads the values before the LSEs (and zeroes an empty part's), the large
-        merges' tiling loads them after, masked by the LSEs."""
+        merges' tiling loads them after, masked by the LSEs; and with a tile's
+        rows taken along the tokens of one head."""
         po, pl, so, sl = special_inputs(dtype)
         out, lse = self.merge(po, pl, so, sl, config=config)
         ref_out, ref_lse = reference(po, pl, so, sl)
@@ -134,13 +136,17 @@ class MergeTests:
     @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
     @pytest.mark.parametrize("config", [MergeConfig(256, 1), MergeConfig(2048, 2),
                                         MergeConfig(4096, 8), MergeConfig(512, 2, "", True),
-                                        MergeConfig(2048, 8, "", True)],
+                                        MergeConfig(2048, 8, "", True), MergeConfig(256, 1, head_major=True),
+                                        MergeConfig(2048, 2, head_major=True),
+                                        MergeConfig(512, 2, "", True, True)],
                              ids=["tile256-w1", "tile2048-w2", "tile4096-w8", "tile512-w2-values-first",
-                                  "tile2048-w8-values-first"])
+                                  "tile2048-w8-values-first", "tile256-w1-head-major",
+                                  "tile2048-w2-head-major", "tile512-w2-values-first-head-major"])
     def test_config_override(self, config, dtype):
-        """Any tiling and either load order gives the same bits as the measured
+        """Any tiling, either load order and rows in either order (a tile's heads
+        of one token, or tokens of one head) give the same bits as the measured
         default (at this size one row per one-warp program, values loaded first),
-        edge cases included."""
+        edge cases and a partial last tile included."""
         po, pl, so, sl = special_inputs(dtype, 37, 3, 72)
         default = self.merge(po, pl, so, sl, ptwc=20)
         forced = self.merge(po, pl, so, sl, ptwc=20, config=config)
@@ -487,17 +493,20 @@ class TestMaskJax(JaxAdapter, MaskEmptyContextTests):
         assert_bitwise_equal(jax_to_numpy(out), ref, "jitted, donated")
 
 
-@pytest.mark.parametrize("n, h, d, dtype, tile, warps, load_first", [
-    # 16-bit: one row per one-warp program to 2^14 elements, 512/2 load_first to 2^24, then 2048/2
-    (1, 32, 128, "bfloat16", 128, 1, True), (1, 128, 128, "float16", 128, 1, True),
-    (1, 129, 128, "bfloat16", 512, 2, True), (64, 32, 128, "bfloat16", 512, 2, True),
-    (1, 128, 512, "bfloat16", 512, 2, True), (4096, 32, 128, "float16", 512, 2, True),
-    (4097, 32, 128, "bfloat16", 2048, 2, False), (16384, 32, 128, "bfloat16", 2048, 2, False),
+@pytest.mark.parametrize("n, h, d, dtype, tile, warps, load_first, head_major", [
+    # 16-bit: one row per one-warp program to 2^14 elements, 512/2 load_first to 2^22, then
+    # 2048/2 with a tile's rows along the tokens of one head (unless N is under a tile's rows)
+    (1, 32, 128, "bfloat16", 128, 1, True, False), (1, 128, 128, "float16", 128, 1, True, False),
+    (1, 129, 128, "bfloat16", 512, 2, True, False), (64, 32, 128, "bfloat16", 512, 2, True, False),
+    (1, 128, 512, "bfloat16", 512, 2, True, False), (1024, 32, 128, "float16", 512, 2, True, False),
+    (1025, 32, 128, "bfloat16", 2048, 2, False, True), (4096, 32, 128, "float16", 2048, 2, False, True),
+    (16384, 32, 128, "bfloat16", 2048, 2, False, True), (16383, 7, 72, "float16", 2048, 2, False, True),
+    (15, 8192, 128, "bfloat16", 2048, 2, False, False), (16, 8192, 128, "bfloat16", 2048, 2, False, True),
     # fp32: one row per warp to 2^18, 512/2 load_first to 2^20, then 512/2
-    (64, 32, 128, "float32", 128, 1, True), (65, 32, 128, "float32", 512, 2, True),
-    (64, 128, 128, "float32", 512, 2, True), (256, 32, 100, "float32", 512, 2, True),
-    (257, 32, 128, "float32", 512, 2, False), (16384, 32, 128, "float32", 512, 2, False)])
-def test_merge_tiling_rule(n, h, d, dtype, tile, warps, load_first):
+    (64, 32, 128, "float32", 128, 1, True, False), (65, 32, 128, "float32", 512, 2, True, False),
+    (64, 128, 128, "float32", 512, 2, True, False), (256, 32, 100, "float32", 512, 2, True, False),
+    (257, 32, 128, "float32", 512, 2, False, False), (16384, 32, 128, "float32", 512, 2, False, False)])
+def test_merge_tiling_rule(n, h, d, dtype, tile, warps, load_first, head_major):
     """The planner's measured rule (the NOTE above TILINGS in plan.py), by
     elements N x H x padded D, written out case by case."""
     from core_kernels._plan import ArrayInfo
@@ -505,8 +514,14 @@ def test_merge_tiling_rule(n, h, d, dtype, tile, warps, load_first):
     o, lse = ArrayInfo.contiguous((n, h, d), dtype), ArrayInfo.contiguous((h, n), "float32")
     (launch,) = plan_merge_attn_states(Target("cuda", 90, 132), o, lse, o, lse).launches
     block_d = 1 << (max(16, d) - 1).bit_length()
-    block_r = max(1, min(tile // block_d, 1 << (n * h - 1).bit_length()))
+    rows = tile // block_d
     assert launch.num_warps == warps
     assert launch.constexprs["LOAD_FIRST"] is load_first
+    assert launch.constexprs["HEAD_MAJOR"] is head_major
+    if head_major:  # BLOCK_R tokens of one head per program
+        block_r = min(rows, 1 << (n - 1).bit_length())
+        assert launch.grid == (h * -(-n // block_r),)
+    else:  # BLOCK_R (token, head) rows per program
+        block_r = max(1, min(rows, 1 << (n * h - 1).bit_length()))
+        assert launch.grid == (-(-n * h // block_r),)
     assert launch.constexprs["BLOCK_R"] == block_r
-    assert launch.grid == (-(-n * h // block_r),)

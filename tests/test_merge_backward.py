@@ -6,7 +6,8 @@ import torch
 
 import adapters.torch as at
 from adapters.torch._register import OPS
-from core_kernels.merge_attn_states import (NO_FP8_BACKWARD, merge_attn_states_backward_reference,
+from core_kernels.merge_attn_states import (NO_FP8_BACKWARD, MergeConfig,
+                                            merge_attn_states_backward_reference,
                                             merge_attn_states_reference)
 from harness import (DEVICE, GPU, JaxAdapter, TorchAdapter, assert_bitwise_equal, assert_close,
                      assert_matches_finite_differences, cast, rng, to_jax, to_torch, torch_to_numpy)
@@ -108,7 +109,7 @@ class MergeBackwardTests:
 
 
 class TestTorch(TorchAdapter, MergeBackwardTests):
-    def grads(self, po, pl, so, sl, go, gl, ptwc=None, strided=False):
+    def grads(self, po, pl, so, sl, go, gl, ptwc=None, strided=False, config=None):
         n, h, d = po.shape
         inputs = [to_torch(x).requires_grad_(True) for x in (po, pl, so, sl)]
         if strided:  # padded output heads, transposed output_lse view
@@ -117,7 +118,7 @@ class TestTorch(TorchAdapter, MergeBackwardTests):
         else:
             out = torch.full((n, h, d), float("nan"), dtype=inputs[0].dtype, device=DEVICE)
             lse = torch.full((h, n), float("nan"), device=DEVICE)
-        at.merge_attn_states(out, *inputs, output_lse=lse, prefill_tokens_with_context=ptwc)
+        at.merge_attn_states(out, *inputs, output_lse=lse, prefill_tokens_with_context=ptwc, config=config)
         torch.autograd.backward([out, lse], [to_torch(go), to_torch(gl)])
         return [torch_to_numpy(x.grad) for x in inputs]
 
@@ -136,6 +137,21 @@ class TestTorch(TorchAdapter, MergeBackwardTests):
         (out * to_torch(go)).sum().backward()  # no output_lse; an expanded gradient inside
         want = reference(po, pl, so, sl, go, np.zeros_like(gl), 5)
         check_grads([torch_to_numpy(x.grad) for x in inputs], want, "float32")
+
+    @pytest.mark.parametrize("config", [MergeConfig(256, 1, head_major=True),
+                                        MergeConfig(2048, 2, head_major=True), MergeConfig(4096, 8)],
+                             ids=["tile256-w1-head-major", "tile2048-w2-head-major", "tile4096-w8"])
+    def test_tilings_give_the_same_bits(self, config):
+        """The config given to the forward also tiles the backward: any tiling, rows
+        in either order (a tile's heads of one token, or tokens of one head), gives
+        the default's bits, edge cases and a partial last tile included."""
+        po, pl, so, sl, go, gl = make_case(37, 3, 72, "float32", "edge")
+        default = self.grads(po, pl, so, sl, go, gl, 20)
+        forced = self.grads(po, pl, so, sl, go, gl, 20, config=config)
+        for name, a, b in zip(("d prefix_output", "d prefix_lse", "d suffix_output", "d suffix_lse"),
+                              forced, default):
+            assert_bitwise_equal(a, b, name)
+        check_grads(forced, reference(po, pl, so, sl, go, gl, 20), "float32")
 
     def test_no_grad_path_unchanged(self):
         po, pl, so, sl, _, _ = make_case(6, 2, 16, "float32")

@@ -1,6 +1,6 @@
 """Small merges against vLLM's kernel, and what an output allocation costs the host (GPU only).
 
-    python -m benchmarks.experiments.exp_merge_small [--out DIR] [--only small,small2,tune,ab,bwd,roofline,big,probe,threshold,alloc]
+    python -m benchmarks.experiments.exp_merge_small [--out DIR] [--only small,small2,tune,ab,bwd,roofline,big,probe,threshold,alloc,order]
 
 ``small``: merge_attn_states at N = 1 and 64 tokens x 32 / 64 / 128 heads x 128,
 bf16 / fp16 / fp32. vLLM's kernel (``.peer/vllm_merge.py``, see
@@ -30,6 +30,9 @@ tensors (the same bytes, no LSE arithmetic) and a copy of the same bytes.
 
 ``threshold``: the same variants at N = 256 ... 4096 x 32 heads (where the
 small tiling stops paying), three alternated trials each.
+
+``order``: the tiles' rows along the tokens of one head (``head_major``) against
+the default's heads of one token, forward and backward, 1024 to 16384 tokens.
 
 ``alloc``: host time per call of the ways to make a small output tensor on the
 GPU (torch.empty with a torch.device, a device index or a string;
@@ -70,10 +73,10 @@ def _cases_rows(cases, trials, tilings, graph=False, configs=None):
         pl, sl = (torch.randn(h, n, device="cuda") * 3 for _ in range(2))
         out, lse = torch.empty_like(po), torch.empty_like(pl)
         variants = {"default": None}
-        for tile, warps, *first in configs or [(t, w, f) for t, w in tilings for f in (False, True)]:
-            first = bool(first and first[0])
-            variants[f"tile{tile}-w{warps}" + ("-loadfirst" if first else "")] = \
-                MergeConfig(tile, warps, "", first)
+        for tile, warps, *flags in configs or [(t, w, f) for t, w in tilings for f in (False, True)]:
+            first, head_major = (bool(f) for f in (*flags, False, False)[:2])
+            variants[f"tile{tile}-w{warps}" + ("-loadfirst" if first else "")
+                     + ("-headmajor" if head_major else "")] = MergeConfig(tile, warps, "", first, head_major)
         calls = {"vllm": lambda: peer(out, po, pl, so, sl, output_lse=lse)}
         for name, cfg in variants.items():
             calls[name] = lambda cfg=cfg: at.merge_attn_states(out, po, pl, so, sl, lse, config=cfg)
@@ -195,12 +198,13 @@ def ab(trials: int = 5):
 BWD_CONFIGS = ((512, 2), (1024, 4), (2048, 2), (2048, 4), (2048, 8), (4096, 8))
 
 
-def bwd(trials: int = 3):
+def bwd(trials: int = 3, configs=BWD_CONFIGS, sizes=(64, 4096, 16384), what="bwd"):
     """The backward kernel's tilings (BACKWARD_CONFIGS, not measured before):
     64 to 16384 tokens x 32 heads x 128, bf16 and fp32, with an output-LSE
     gradient; GPU time per call by alternated do_bench runs and in the cold CUDA
     graph, and the bytes it moves (reads prefix, suffix and gradient, writes two
-    gradients) over the time as a share of the copy rate."""
+    gradients) over the time as a share of the copy rate. ``configs``: (tile,
+    warps) or (tile, warps, head_major)."""
     import torch
     from adapters.torch._executor import info, run_plan, target_for
     from benchmarks.timing import copy_bandwidth, graph_cold_time_torch, cold_sets
@@ -210,7 +214,7 @@ def bwd(trials: int = 3):
     rows = []
     for dt in ("bfloat16", "float32"):
         tdt = getattr(torch, dt)
-        for n in (64, 4096, 16384):
+        for n in sizes:
             h, d = 32, 128
             nbytes = 5 * n * h * d * tdt.itemsize + 6 * n * h * 4
             k = cold_sets(nbytes) if n < 4096 else 8
@@ -225,8 +229,9 @@ def bwd(trials: int = 3):
             sets = [make() for _ in range(k)]
             t0 = sets[0]
             plans = {}
-            for cfg in [None] + [MergeConfig(t, w) for t, w in BWD_CONFIGS]:
-                plans["default" if cfg is None else f"tile{cfg.tile_elems}-w{cfg.num_warps}"] = \
+            for cfg in [None] + [MergeConfig(t, w, head_major=bool(hm and hm[0])) for t, w, *hm in configs]:
+                plans["default" if cfg is None else f"tile{cfg.tile_elems}-w{cfg.num_warps}"
+                      + ("-headmajor" if cfg.head_major else "")] = \
                     plan_merge_attn_states_backward(target_for(t0["prefix_output"].device),
                                                     *(info(t0[a]) for a in t0), config=cfg)
             ref = run_plan(plans["default"], t0, {})
@@ -240,7 +245,7 @@ def bwd(trials: int = 3):
                                                                  "grad_suffix_output", "grad_suffix_lse"))
                 g = graph_cold_time_torch(lambda i, plan=plan: run_plan(plan, sets[i], {}), nbytes) * 1e6
                 t = statistics.median(times[name])
-                rows.append(dict(what="bwd", n=n, h=h, d=d, dtype=dt, variant=name, median_us=t,
+                rows.append(dict(what=what, n=n, h=h, d=d, dtype=dt, variant=name, median_us=t,
                                  graph_cold_us=g, pct_copy=100 * nbytes / (t * 1e-6) / copy_bw,
                                  bitwise_vs_default=same))
                 print(json.dumps(rows[-1]), flush=True)
@@ -298,6 +303,30 @@ def big(trials: int = 5):
     configs = ((1024, 1), (1024, 2), (2048, 1), (1024, 1, True), (1024, 2, True), (2048, 1, True),
                (2048, 2), (4096, 4))
     return [dict(what="big", **r) for r in _cases_rows(cases, trials, (), graph=True, configs=configs)]
+
+
+def order(trials: int = 5):
+    """Rows of a tile along the tokens of one head (MergeConfig.head_major: the
+    tile's LSEs are one contiguous run of the [H, N] arrays, loaded and stored
+    coalesced) against the default's heads of one token (one 4-byte LSE access
+    per row): the forward at 1024 to 16384 tokens x 32 heads (and 64 heads),
+    bf16 / fp16 / fp32, alternated with vLLM's kernel, both timings, as a share
+    of the 2 GiB copy rate; then the backward at 4096 and 16384 tokens."""
+    from benchmarks.timing import copy_bandwidth
+    copy_tbps = copy_bandwidth() / 1e12
+    rows = [dict(what="order", case="copy 2 GiB", tbps=copy_tbps)]
+    print(json.dumps(rows[-1]), flush=True)
+    cases = [(16384, 32, 128, "bfloat16"), (16384, 32, 128, "float16"), (16384, 32, 128, "float32"),
+             (16384, 64, 128, "bfloat16"), (4096, 32, 128, "bfloat16"), (1024, 32, 128, "bfloat16"),
+             (4096, 32, 128, "float32")]
+    configs = ((2048, 2, False, True), (1024, 2, False, True), (4096, 4, False, True), (512, 2, False, True),
+               (1024, 1, False, True), (2048, 2, True, True), (512, 2, True, True))
+    for r in _cases_rows(cases, trials, (), graph=True, configs=configs):
+        nbytes = 3 * r["n"] * r["h"] * r["d"] * (4 if r["dtype"] == "float32" else 2) + 3 * r["n"] * r["h"] * 4
+        rows.append(dict(what="order", **r, pct_copy_2gib=100 * nbytes / (r["median_us"] * 1e-6) / 1e12 / copy_tbps))
+    bwd_configs = ((512, 2, True), (1024, 2, True), (2048, 2, True), (2048, 4, True), (1024, 4, True))
+    rows += bwd(3, bwd_configs, (4096, 16384), "order-bwd")
+    return rows
 
 
 @triton.jit
@@ -421,7 +450,7 @@ def alloc():
 def main():
     run_parts("exp_merge_small", {"small": small, "small2": small2, "tune": tune, "ab": ab, "bwd": bwd,
                                   "roofline": roofline, "big": big, "probe": probe, "threshold": threshold,
-                                  "alloc": alloc}, default="small,threshold,alloc")
+                                  "alloc": alloc, "order": order}, default="small,threshold,alloc")
 
 
 if __name__ == "__main__":

@@ -13,14 +13,27 @@ from .._triton_utils import jit, round_to_fp8_grid
 
 @triton.jit
 def _row_tile(num_ctx_ptr, num_rows, num_heads, num_ctx_arg, BLOCK_R: tl.constexpr,
-              BLOCK_D: tl.constexpr, HEAD_SIZE: tl.constexpr, NUM_CTX_FROM_PTR: tl.constexpr):
+              BLOCK_D: tl.constexpr, HEAD_SIZE: tl.constexpr, NUM_CTX_FROM_PTR: tl.constexpr,
+              HEAD_MAJOR: tl.constexpr):
     """This program's [BLOCK_R] (token, head) rows and [BLOCK_D] channels:
-    (o_r, m_r, o_t, o_h, o_d, m_d, m_ctx), m_ctx the live rows that have both a
-    prefix and a suffix part (token < the context count)."""
-    o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    m_r = o_r < num_rows
-    o_t = (o_r // num_heads).to(tl.int64)
-    o_h = (o_r % num_heads).to(tl.int64)
+    (o_r, m_r, o_t, o_h, o_d, m_d, m_ctx), o_r = o_t * H + o_h the flat row,
+    m_ctx the live rows that have both a prefix and a suffix part (token < the
+    context count). Consecutive rows of a tile are consecutive heads of one
+    token, or with HEAD_MAJOR consecutive tokens of one head (program
+    i * H + h takes tokens [i * BLOCK_R, (i + 1) * BLOCK_R) of head h): the
+    tile's LSEs are then one contiguous run of an [H, N] array instead of one
+    4-byte access per head."""
+    if HEAD_MAJOR:
+        pid = tl.program_id(0)
+        o_t = ((pid // num_heads) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        o_h = (pid % num_heads).to(tl.int64)
+        o_r = o_t * num_heads + o_h
+        m_r = o_r < num_rows
+    else:
+        o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        m_r = o_r < num_rows
+        o_t = (o_r // num_heads).to(tl.int64)
+        o_h = (o_r % num_heads).to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_SIZE
     if NUM_CTX_FROM_PTR:
@@ -94,12 +107,13 @@ def _merge_attn_states_kernel(
     # constexprs
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_SIZE: tl.constexpr,
     ROW_ALIGN: tl.constexpr, EVICT: tl.constexpr, LOAD_FIRST: tl.constexpr,
-    NUM_CTX_FROM_PTR: tl.constexpr, HAS_OUT_LSE: tl.constexpr,
+    HEAD_MAJOR: tl.constexpr, NUM_CTX_FROM_PTR: tl.constexpr, HAS_OUT_LSE: tl.constexpr,
     HAS_SCALE: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANT_BITS: tl.constexpr,
     FP8_MIN_NORMAL: tl.constexpr, FP8_SUBNORMAL_MAGIC: tl.constexpr,
 ):
     o_r, m_r, o_t, o_h, o_d, m_d, m_ctx = _row_tile(num_ctx_ptr, num_rows, num_heads, num_ctx_arg,
-                                                    BLOCK_R, BLOCK_D, HEAD_SIZE, NUM_CTX_FROM_PTR)
+                                                    BLOCK_R, BLOCK_D, HEAD_SIZE, NUM_CTX_FROM_PTR,
+                                                    HEAD_MAJOR)
     if LOAD_FIRST:
         # the values' loads wait for no LSE (issued before them); an empty
         # part's values are zeroed below by a select, so garbage or NaN there
@@ -168,7 +182,8 @@ def _merge_attn_states_bwd_kernel(
     grad_prefix_out_ptr, grad_prefix_lse_ptr, grad_suffix_out_ptr, grad_suffix_lse_ptr,
     # constexprs
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_SIZE: tl.constexpr,
-    ROW_ALIGN: tl.constexpr, NUM_CTX_FROM_PTR: tl.constexpr, HAS_GRAD_LSE: tl.constexpr,
+    ROW_ALIGN: tl.constexpr, HEAD_MAJOR: tl.constexpr, NUM_CTX_FROM_PTR: tl.constexpr,
+    HAS_GRAD_LSE: tl.constexpr,
 ):
     """Backward of _merge_attn_states_kernel over the same (token, head) row tiles.
 
@@ -181,7 +196,8 @@ def _merge_attn_states_bwd_kernel(
     The gradients are written contiguously: [N, H, D] and [H, N].
     """
     o_r, m_r, o_t, o_h, o_d, m_d, m_ctx = _row_tile(num_ctx_ptr, num_rows, num_heads, num_ctx_arg,
-                                                    BLOCK_R, BLOCK_D, HEAD_SIZE, NUM_CTX_FROM_PTR)
+                                                    BLOCK_R, BLOCK_D, HEAD_SIZE, NUM_CTX_FROM_PTR,
+                                                    HEAD_MAJOR)
 
     # the forward's weights, computed the same way
     p_raw = tl.load(prefix_lse_ptr + o_h * stride_plse_h + o_t * stride_plse_t,

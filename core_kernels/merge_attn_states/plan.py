@@ -23,6 +23,9 @@ class MergeConfig:
     # issue the values' loads before the LSEs' (an empty part's values are then
     # loaded and zeroed instead of never loaded)
     load_first: bool = False
+    # a tile's rows are consecutive tokens of one head (its LSEs one contiguous
+    # run) instead of consecutive heads of one token
+    head_major: bool = False
 
 
 # NOTE: the tiling by input itemsize and size (elements E = N * H * padded D):
@@ -35,19 +38,31 @@ class MergeConfig:
 #   values' loads issued before the LSEs' (load_first) took 1.50 us (bf16) and
 #   1.89 us (fp32) against vLLM's 1.79 / 2.11 and 1.91 / 2.54 for the previous
 #   default; the previous default waited for the LSE loads before loading values.
-# - 16-bit up to 4096 x 32: 512-element tiles, 2 warps, load_first: N = 64
-#   2.56 us (vLLM 3.38, previous default 3.02), 256 4.07 (5.16), 1024 9.13
+# - 16-bit up to 4096 x 32 (now to 1024 x 32, see below): 512-element tiles,
+#   2 warps, load_first: N = 64 2.56 us (vLLM 3.38, previous default 3.02), 256 4.07 (5.16), 1024 9.13
 #   (11.09), 4096 28.19 (29.58). At 16384 x 32 the 2048/2 tiles without
 #   load_first stay best (100.3 vs 104.8 us in the graph).
 # - fp32: one row per warp with load_first up to 64 x 32 (3.14 us, vLLM 3.82,
 #   previous 4.06); 512/2 with load_first to 2^20 elements (64 x 128 6.05 vs
 #   6.41); 512/2 without it above (1024 x 32 15.47 vs 16.39; 4096 49.8 vs 52.0;
 #   16384 188.8 vs 192.8 us).
+# - 16-bit above 2^22 elements: head_major 2048/2 tiles (16 tokens of one head:
+#   the tile's LSEs one contiguous run instead of 16 scattered 4-byte accesses),
+#   same bits (H200, 2026-11-25, exp_merge_small.py --only order, results/
+#   2026-11-25-merge-small/exp_merge_small_order.json; do_bench medians of five
+#   alternated runs, x 128):
+#   16384 x 32 bf16 101.2 us against 105.3 for the heads-of-a-token 2048/2 tiles
+#   (95.1% of the 2 GiB copy rate against 91.5%), fp16 102.4 vs 105.3, 16384 x 64
+#   bf16 194.2 vs 200.1, 4096 x 32 bf16 31.8 vs 33.9 (the 512/2 load_first tiles);
+#   at 1024 x 32 no gain (12.7 vs 12.6), so the 512/2 load_first tiles keep 2^22
+#   and below. fp32 gained under 1% (16384 x 32 512/2: 192.3 vs 193.3 us) and
+#   keeps its tiles; so does the backward (head_major 512/2: 170.5 vs 169.0 us at
+#   16384 x 32 bf16).
 # An evict_first hint on the loads cost 5-15% (earlier sweep), so loads use the
 # default policy. A persistent grid-stride loop was no faster and is not used.
 TILINGS = {
-    2: ((1 << 14, MergeConfig(128, 1, "", True)), (1 << 24, MergeConfig(512, 2, "", True)),
-        (None, MergeConfig(2048, 2))),
+    2: ((1 << 14, MergeConfig(128, 1, "", True)), (1 << 22, MergeConfig(512, 2, "", True)),
+        (None, MergeConfig(2048, 2, "", False, True))),
     4: ((1 << 18, MergeConfig(128, 1, "", True)), (1 << 20, MergeConfig(512, 2, "", True)),
         (None, MergeConfig(512, 2))),
 }
@@ -60,11 +75,24 @@ def _block_d(d: int) -> int:
     return max(16, next_pow2(d))
 
 
+def _row_tiles(n: int, h: int, block_d: int, config: MergeConfig) -> tuple[int, int]:
+    """(BLOCK_R, programs) of ``config``'s tiles over N x H rows of ``block_d`` channels."""
+    if config.head_major:
+        block_r = max(1, min(config.tile_elems // block_d, next_pow2(n)))
+        return block_r, h * cdiv(n, block_r)
+    block_r = max(1, min(config.tile_elems // block_d, next_pow2(n * h)))
+    return block_r, cdiv(n * h, block_r)
+
+
 def default_config(n: int, h: int, d: int, itemsize: int) -> MergeConfig:
     """The measured tiling of an [N, H, D] merge of ``itemsize``-byte inputs (TILINGS)."""
-    elems = n * h * _block_d(d)
+    block_d = _block_d(d)
+    elems = n * h * block_d
     for limit, config in TILINGS[itemsize]:
         if limit is None or elems <= limit:
+            if config.head_major and n < config.tile_elems // block_d:
+                # fewer tokens than a tile's rows: head-major tiles would run part-empty
+                return dataclasses.replace(config, head_major=False)
             return config
     raise AssertionError("TILINGS ends with an unbounded entry")
 
@@ -183,12 +211,12 @@ def _launch(p: _Problem, config: MergeConfig, prefix_output, prefix_lse, suffix_
             num_ctx, has_output_scale) -> Launch:
     block_d = _block_d(p.d)
     rows = p.n * p.h
-    block_r = max(1, min(config.tile_elems // block_d, next_pow2(rows)))
+    block_r, programs = _row_tiles(p.n, p.h, block_d, config)
     lse_strides = p.output_lse.strides if p.has_out_lse else (0, 0)
     row = lambda x: Scalar(x, align="ROW_ALIGN")  # noqa: E731  16-byte rows when strides allow
     return Launch(
         kernel=_merge_attn_states_kernel,
-        grid=(cdiv(rows, block_r),),
+        grid=(programs,),
         params=dict(
             prefix_out_ptr="prefix_output", prefix_lse_ptr="prefix_lse",
             suffix_out_ptr="suffix_output", suffix_lse_ptr="suffix_lse",
@@ -207,7 +235,7 @@ def _launch(p: _Problem, config: MergeConfig, prefix_output, prefix_lse, suffix_
             out_ptr="output", out_lse_ptr="output_lse" if p.has_out_lse else "output"),
         writes=("out_ptr", "out_lse_ptr"),
         constexprs=dict(BLOCK_R=block_r, BLOCK_D=block_d, HEAD_SIZE=p.d, EVICT=config.evict,
-                        LOAD_FIRST=config.load_first,
+                        LOAD_FIRST=config.load_first, HEAD_MAJOR=config.head_major,
                         NUM_CTX_FROM_PTR=num_ctx == "array", HAS_OUT_LSE=p.has_out_lse,
                         HAS_SCALE=has_output_scale,
                         FP8_MAX=FP8_MAX.get(p.out_dtype, 0.0),
@@ -277,12 +305,12 @@ def plan_merge_attn_states_backward(
     config = config or BACKWARD_CONFIGS[ITEMSIZE[problem.in_dtype]]
     block_d = _block_d(d)
     rows = n * h
-    block_r = max(1, min(config.tile_elems // block_d, next_pow2(rows)))
+    block_r, programs = _row_tiles(n, h, block_d, config)
     glse = grad_output_lse.strides if grad_output_lse is not None else (0, 0)
     row = lambda x: Scalar(x, align="ROW_ALIGN")  # noqa: E731
     launch = Launch(
         kernel=_merge_attn_states_bwd_kernel,
-        grid=(cdiv(rows, block_r),),
+        grid=(programs,),
         params=dict(
             prefix_out_ptr="prefix_output", prefix_lse_ptr="prefix_lse",
             suffix_out_ptr="suffix_output", suffix_lse_ptr="suffix_lse", grad_out_ptr="grad_output",
@@ -300,7 +328,7 @@ def plan_merge_attn_states_backward(
             grad_prefix_out_ptr="grad_prefix_output", grad_prefix_lse_ptr="grad_prefix_lse",
             grad_suffix_out_ptr="grad_suffix_output", grad_suffix_lse_ptr="grad_suffix_lse"),
         writes=("grad_prefix_out_ptr", "grad_prefix_lse_ptr", "grad_suffix_out_ptr", "grad_suffix_lse_ptr"),
-        constexprs=dict(BLOCK_R=block_r, BLOCK_D=block_d, HEAD_SIZE=d,
+        constexprs=dict(BLOCK_R=block_r, BLOCK_D=block_d, HEAD_SIZE=d, HEAD_MAJOR=config.head_major,
                         NUM_CTX_FROM_PTR=num_ctx == "array", HAS_GRAD_LSE=grad_output_lse is not None),
         num_warps=config.num_warps, num_stages=1,
     )

@@ -3,12 +3,17 @@
     PYTHONPATH=. .venv/bin/python tools/offline_compile.py   (see __main__ for an example)
 
 Use it from Python:
-    from tools.offline_compile import report
-    report(plan, {"q": ArrayInfo(...), ...})   # prints registers / spills / smem per launch
+    from tools.offline_compile import plan_dtypes, report
+    report(plan, plan_dtypes(plan, {"q": q_info, ...}))   # registers / spills / smem per launch
+    (the ArrayInfos the plan was made from, by argument name)
 
 Triton compiles to PTX on the CPU; the bundled ptxas reports registers and
 spill bytes per thread, which predicts occupancy and spills before spending
-device time. Ints are compiled unspecialised (as jax-triton does).
+device time. Runtime ints are never specialised on alignment (as in both
+launchers) and by default not on the value 1 either, which both launchers do:
+``specialize_ones=True`` compiles a plan-time integer equal to 1 as that
+constant, so that the code is what a GPU launch compiles
+(tests/test_offline_compile.py).
 """
 from __future__ import annotations
 
@@ -29,28 +34,38 @@ _PTR = {"float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16", "int32": "*
         "float8_e5m2": "*fp8e5", "float64": "*fp64", "bool": "*i1"}
 
 
-def compile_launch(launch, dtypes: dict, arch: int = 90):
+def compile_launch(launch, dtypes: dict, arch: int = 90, specialize_ones: bool = False):
+    """Compile one Launch for sm_``arch``; ``dtypes``: buffer name -> dtype name of
+    every pointer argument (see :func:`plan_dtypes`); ``specialize_ones``: see
+    the module docstring."""
     fn = launch.kernel
-    names = fn.arg_names
-    sig, consts = {}, {}
-    n_rt = len(launch.args) + len(launch.outputs)
-    for name, a in zip(names, list(launch.args) + list(launch.outputs)):
-        if isinstance(a, Scalar):
-            sig[name] = {"i32": "i32", "i64": "i64", "fp32": "fp32"}[a.kind]
-        else:
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        a = launch.params.get(name)
+        if a is None:  # a constexpr parameter
+            sig[name], consts[(i,)] = "constexpr", launch.constexprs[name]
+        elif not isinstance(a, Scalar):  # a buffer name: 16-byte aligned, as allocated
             sig[name] = _PTR[dtypes[a]]
-    for name in names[n_rt:]:
-        sig[name] = "constexpr"
-        consts[name] = launch.constexprs[name]
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, a) in
-             enumerate(zip(names, list(launch.args) + list(launch.outputs))) if not isinstance(a, Scalar)}
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif specialize_ones and a.kind != "fp32" and not isinstance(a.value, str) and int(a.value) == 1:
+            sig[name], consts[(i,)] = "constexpr", 1
+        else:
+            sig[name] = {"i32": "i32", "i64": "i64", "fp32": "fp32"}[a.kind]
     source = ASTSource
     if hasattr(fn, "is_gluon") and fn.is_gluon():
         from triton.experimental.gluon._runtime import GluonASTSource as source
-    src = source(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()},
-                 attrs=attrs)
+    src = source(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     opts = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+
+
+def plan_dtypes(plan, arrays: dict) -> dict:
+    """Buffer name -> dtype name of everything ``plan``'s launches can name: the
+    op's array arguments (``arrays``: name -> ArrayInfo, None for an absent one)
+    and the buffers the plan allocates."""
+    dtypes = {name: info.dtype for name, info in arrays.items() if info is not None}
+    dtypes.update((name, buf.dtype) for name, buf in plan.buffers.items())
+    return dtypes
 
 
 def ptxas_report(ptx: str, arch: int = 90) -> str:

@@ -1,6 +1,6 @@
 """Small merges against vLLM's kernel, and what an output allocation costs the host (GPU only).
 
-    python -m benchmarks.experiments.exp_merge_small [--out DIR] [--only small,small2,tune,ab,bwd,roofline,big,probe,threshold,alloc,order]
+    python -m benchmarks.experiments.exp_merge_small [--out DIR] [--only small,small2,tune,ab,bwd,roofline,big,probe,threshold,alloc,order,order_mid]
 
 ``small``: merge_attn_states at N = 1 and 64 tokens x 32 / 64 / 128 heads x 128,
 bf16 / fp16 / fp32. vLLM's kernel (``.peer/vllm_merge.py``, see
@@ -33,6 +33,8 @@ small tiling stops paying), three alternated trials each.
 
 ``order``: the tiles' rows along the tokens of one head (``head_major``) against
 the default's heads of one token, forward and backward, 1024 to 16384 tokens.
+``order_mid``: the 16-bit default between 2^22 and 2^24 elements (1024 to 4096 x 32)
+against the tilings on either side of its threshold.
 
 ``alloc``: host time per call of the ways to make a small output tensor on the
 GPU (torch.empty with a torch.device, a device index or a string;
@@ -305,28 +307,41 @@ def big(trials: int = 5):
     return [dict(what="big", **r) for r in _cases_rows(cases, trials, (), graph=True, configs=configs)]
 
 
-def order(trials: int = 5):
+ORDER_CASES = [(16384, 32, 128, "bfloat16"), (16384, 32, 128, "float16"), (16384, 32, 128, "float32"),
+               (16384, 64, 128, "bfloat16"), (4096, 32, 128, "bfloat16"), (1024, 32, 128, "bfloat16"),
+               (4096, 32, 128, "float32")]
+ORDER_CONFIGS = ((2048, 2, False, True), (1024, 2, False, True), (4096, 4, False, True), (512, 2, False, True),
+                 (1024, 1, False, True), (2048, 2, True, True), (512, 2, True, True))
+
+
+def order(trials: int = 5, cases=ORDER_CASES, configs=ORDER_CONFIGS, backward=True, what="order"):
     """Rows of a tile along the tokens of one head (MergeConfig.head_major: the
     tile's LSEs are one contiguous run of the [H, N] arrays, loaded and stored
     coalesced) against the default's heads of one token (one 4-byte LSE access
     per row): the forward at 1024 to 16384 tokens x 32 heads (and 64 heads),
     bf16 / fp16 / fp32, alternated with vLLM's kernel, both timings, as a share
-    of the 2 GiB copy rate; then the backward at 4096 and 16384 tokens."""
+    of the 2 GiB copy rate; then the backward at 4096 and 16384 tokens.
+    ``configs``: (tile, warps, load_first, head_major)."""
     from benchmarks.timing import copy_bandwidth
     copy_tbps = copy_bandwidth() / 1e12
-    rows = [dict(what="order", case="copy 2 GiB", tbps=copy_tbps)]
+    rows = [dict(what=what, case="copy 2 GiB", tbps=copy_tbps)]
     print(json.dumps(rows[-1]), flush=True)
-    cases = [(16384, 32, 128, "bfloat16"), (16384, 32, 128, "float16"), (16384, 32, 128, "float32"),
-             (16384, 64, 128, "bfloat16"), (4096, 32, 128, "bfloat16"), (1024, 32, 128, "bfloat16"),
-             (4096, 32, 128, "float32")]
-    configs = ((2048, 2, False, True), (1024, 2, False, True), (4096, 4, False, True), (512, 2, False, True),
-               (1024, 1, False, True), (2048, 2, True, True), (512, 2, True, True))
     for r in _cases_rows(cases, trials, (), graph=True, configs=configs):
         nbytes = 3 * r["n"] * r["h"] * r["d"] * (4 if r["dtype"] == "float32" else 2) + 3 * r["n"] * r["h"] * 4
-        rows.append(dict(what="order", **r, pct_copy_2gib=100 * nbytes / (r["median_us"] * 1e-6) / 1e12 / copy_tbps))
-    bwd_configs = ((512, 2, True), (1024, 2, True), (2048, 2, True), (2048, 4, True), (1024, 4, True))
-    rows += bwd(3, bwd_configs, (4096, 16384), "order-bwd")
+        rows.append(dict(what=what, **r, pct_copy_2gib=100 * nbytes / (r["median_us"] * 1e-6) / 1e12 / copy_tbps))
+    if backward:
+        bwd_configs = ((512, 2, True), (1024, 2, True), (2048, 2, True), (2048, 4, True), (1024, 4, True))
+        rows += bwd(3, bwd_configs, (4096, 16384), "order-bwd")
     return rows
+
+
+def order_mid(trials: int = 7):
+    """The 16-bit tiling between 2^22 and 2^24 elements (1024 to 4096 tokens x 32
+    heads x 128), where TILINGS switches to head-major 2048/2 tiles above 2^22:
+    the default against the 512/2 load_first tiles and head-major 2048/2 and 4096/4."""
+    cases = [(n, 32, 128, dt) for n in (1024, 1536, 2048, 3072, 4096) for dt in ("bfloat16", "float16")]
+    configs = ((512, 2, True, False), (2048, 2, False, True), (4096, 4, False, True))
+    return order(trials, cases, configs, backward=False, what="order_mid")
 
 
 @triton.jit
@@ -450,7 +465,7 @@ def alloc():
 def main():
     run_parts("exp_merge_small", {"small": small, "small2": small2, "tune": tune, "ab": ab, "bwd": bwd,
                                   "roofline": roofline, "big": big, "probe": probe, "threshold": threshold,
-                                  "alloc": alloc, "order": order}, default="small,threshold,alloc")
+                                  "alloc": alloc, "order": order, "order_mid": order_mid}, default="small,threshold,alloc")
 
 
 if __name__ == "__main__":

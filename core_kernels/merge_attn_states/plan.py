@@ -38,7 +38,7 @@ class MergeConfig:
 #   values' loads issued before the LSEs' (load_first) took 1.50 us (bf16) and
 #   1.89 us (fp32) against vLLM's 1.79 / 2.11 and 1.91 / 2.54 for the previous
 #   default; the previous default waited for the LSE loads before loading values.
-# - 16-bit up to 4096 x 32 (now to 1024 x 32, see below): 512-element tiles,
+# - 16-bit up to 4096 x 32 (now to 2048 x 32, see below): 512-element tiles,
 #   2 warps, load_first: N = 64 2.56 us (vLLM 3.38, previous default 3.02), 256 4.07 (5.16), 1024 9.13
 #   (11.09), 4096 28.19 (29.58). At 16384 x 32 the 2048/2 tiles without
 #   load_first stay best (100.3 vs 104.8 us in the graph).
@@ -46,7 +46,7 @@ class MergeConfig:
 #   previous 4.06); 512/2 with load_first to 2^20 elements (64 x 128 6.05 vs
 #   6.41); 512/2 without it above (1024 x 32 15.47 vs 16.39; 4096 49.8 vs 52.0;
 #   16384 188.8 vs 192.8 us).
-# - 16-bit above 2^22 elements: head_major 2048/2 tiles (16 tokens of one head:
+# - 16-bit above 2^23 elements: head_major 2048/2 tiles (16 tokens of one head:
 #   the tile's LSEs one contiguous run instead of 16 scattered 4-byte accesses),
 #   same bits (H200, 2026-11-25, exp_merge_small.py --only order, results/
 #   2026-11-25-merge-small/exp_merge_small_order.json; do_bench medians of five
@@ -54,14 +54,19 @@ class MergeConfig:
 #   16384 x 32 bf16 101.2 us against 105.3 for the heads-of-a-token 2048/2 tiles
 #   (95.1% of the 2 GiB copy rate against 91.5%), fp16 102.4 vs 105.3, 16384 x 64
 #   bf16 194.2 vs 200.1, 4096 x 32 bf16 31.8 vs 33.9 (the 512/2 load_first tiles);
-#   at 1024 x 32 no gain (12.7 vs 12.6), so the 512/2 load_first tiles keep 2^22
-#   and below. fp32 gained under 1% (16384 x 32 512/2: 192.3 vs 193.3 us) and
+#   at 1024 x 32 no gain (12.7 vs 12.6). Between them (--only order_mid,
+#   exp_merge_small_order_mid.json, seven runs, GPU time in the cold CUDA graph,
+#   load_first 512/2 vs head-major 2048/2): 1536 x 32 bf16 12.94 vs 13.23 us, fp16
+#   12.55 vs 13.33; 2048 bf16 16.21 vs 16.44, fp16 15.55 vs 16.58; 3072 bf16 23.12
+#   vs 22.38, fp16 21.99 vs 22.42; 4096 bf16 29.75 vs 28.32, fp16 28.42 vs 28.21:
+#   the 512/2 load_first tiles keep 2^23 elements and below, head-major takes over
+#   above. fp32 gained under 1% (16384 x 32 512/2: 192.3 vs 193.3 us) and
 #   keeps its tiles; so does the backward (head_major 512/2: 170.5 vs 169.0 us at
 #   16384 x 32 bf16).
 # An evict_first hint on the loads cost 5-15% (earlier sweep), so loads use the
 # default policy. A persistent grid-stride loop was no faster and is not used.
 TILINGS = {
-    2: ((1 << 14, MergeConfig(128, 1, "", True)), (1 << 22, MergeConfig(512, 2, "", True)),
+    2: ((1 << 14, MergeConfig(128, 1, "", True)), (1 << 23, MergeConfig(512, 2, "", True)),
         (None, MergeConfig(2048, 2, "", False, True))),
     4: ((1 << 18, MergeConfig(128, 1, "", True)), (1 << 20, MergeConfig(512, 2, "", True)),
         (None, MergeConfig(512, 2))),

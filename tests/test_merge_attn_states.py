@@ -81,7 +81,8 @@ class MergeTests:
     @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
     @pytest.mark.parametrize("config", [None, MergeConfig(2048, 2, "", False),
                                         MergeConfig(2048, 2, "", False, True)],
-                             ids=["default-values-first", "values-after-lses", "values-after-lses-head-major"])
+                             ids=["default-values-first", "values-after-lses",
+                                  "values-after-lses-head-major"])
     def test_edge_cases(self, dtype, config):
         """Every LSE edge case, with both load orders: the default at this size
         loads the values before the LSEs (and zeroes an empty part's), the large

@@ -39,9 +39,9 @@ class MergeConfig:
 #   1.89 us (fp32) against vLLM's 1.79 / 2.11 and 1.91 / 2.54 for the previous
 #   default; the previous default waited for the LSE loads before loading values.
 # - 16-bit up to 4096 x 32 (now to 2048 x 32, see below): 512-element tiles,
-#   2 warps, load_first: N = 64 2.56 us (vLLM 3.38, previous default 3.02), 256 4.07 (5.16), 1024 9.13
-#   (11.09), 4096 28.19 (29.58). At 16384 x 32 the 2048/2 tiles without
-#   load_first stay best (100.3 vs 104.8 us in the graph).
+#   2 warps, load_first: N = 64 2.56 us (vLLM 3.38, previous default 3.02), 256
+#   4.07 (5.16), 1024 9.13 (11.09), 4096 28.19 (29.58). At 16384 x 32 the 2048/2
+#   tiles without load_first stay best (100.3 vs 104.8 us in the graph).
 # - fp32: one row per warp with load_first up to 64 x 32 (3.14 us, vLLM 3.82,
 #   previous 4.06); 512/2 with load_first to 2^20 elements (64 x 128 6.05 vs
 #   6.41); 512/2 without it above (1024 x 32 15.47 vs 16.39; 4096 49.8 vs 52.0;

@@ -327,8 +327,8 @@ def order(trials: int = 5, cases=ORDER_CASES, configs=ORDER_CONFIGS, backward=Tr
     rows = [dict(what=what, case="copy 2 GiB", tbps=copy_tbps)]
     print(json.dumps(rows[-1]), flush=True)
     for r in _cases_rows(cases, trials, (), graph=True, configs=configs):
-        rows_lse = r["n"] * r["h"]
-        nbytes = 3 * rows_lse * r["d"] * (4 if r["dtype"] == "float32" else 2) + 3 * rows_lse * 4
+        pairs = r["n"] * r["h"]
+        nbytes = 3 * pairs * r["d"] * (4 if r["dtype"] == "float32" else 2) + 3 * pairs * 4
         pct = 100 * nbytes / (r["median_us"] * 1e-6) / 1e12 / copy_tbps
         rows.append(dict(what=what, **r, pct_copy_2gib=pct))
     if backward:

@@ -4,6 +4,13 @@
 # the GPU tests and the benchmarks, and leave logs / JSON / PNG under $OUT.
 #   bash scripts/gpu.sh [tests|bench|all] [op ...]
 #   bash scripts/gpu.sh files tests/test_x.py "tests/test_y.py@<pytest -k expression>" ...
+#   bash scripts/gpu.sh parallel "<file;file@-k expression;...>" "<stream 2>" ...
+#     each argument a stream of `files` (entries separated by ';'), the streams run at
+#     once, each stopping before ${GPU_TEST_BUDGET_S:-550} s, logs under $OUT/s<i>/.
+#     NOTE: the whole suite fits two 10-minute calls this way (H200, 2026-11-25, 4-5
+#     streams per call, results/2026-11-25-host-final/gpu_tests_summary.txt), where
+#     one file per line took four; PARALLEL_SUITE_1 / _2 below are those two calls:
+#     bash scripts/gpu.sh parallel suite1   (then suite2)
 # e.g. run(command="bash scripts/gpu.sh all merge_attn_states", carry=[".whl"])
 source "$(dirname "$0")/env.sh"   # exits on failure (set -e there)
 set +eu -o pipefail
@@ -15,6 +22,34 @@ what=${1:-all}; shift || true
 ops=("$@")
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 rc=0
+# the two calls of the whole suite (see parallel above); each stream took 230-470 s
+PARALLEL_SUITE_1=(
+  "tests/test_prefix_prefill.py@not real_sizes and not cache_layout_matrix and not plans_build"
+  "tests/test_prefix_prefill.py@real_sizes or cache_layout_matrix or plans_build"
+  "tests/test_lightning_attention.py;tests/test_merge_attn_states.py"
+  "tests/test_properties.py;tests/test_merge_backward.py;tests/test_vmap.py;tests/test_spmd.py"
+  "tests/test_lightning_backward.py")
+PARALLEL_SUITE_2=(
+  "tests/test_blocksparse_attention.py;tests/test_autograd_safety.py"
+  "tests/test_blocksparse_backward.py;tests/test_architecture.py;tests/test_packaging.py;tests/test_bench_summary.py"
+  "tests/test_lightning_varlen.py;tests/test_index_validation.py;tests/test_scalar_policy.py"
+  "tests/test_vllm_signatures.py;tests/test_dtensor.py;tests/test_offline_compile.py")
+if [[ $what == parallel ]]; then
+  [[ ${#ops[@]} == 1 && ${ops[0]} == suite1 ]] && ops=("${PARALLEL_SUITE_1[@]}")
+  [[ ${#ops[@]} == 1 && ${ops[0]} == suite2 ]] && ops=("${PARALLEL_SUITE_2[@]}")
+  pids=()
+  for s in "${ops[@]}"; do
+    i=$(( ${#pids[@]} + 1 )); mkdir -p "$OUT/s$i"
+    IFS=';' read -ra stream <<< "$s"
+    OUT="$OUT/s$i" bash "$0" files "${stream[@]}" > "$OUT/s$i/stream.log" 2>&1 &
+    pids+=($!)
+  done
+  for ((j = 1; j <= ${#pids[@]}; j++)); do
+    wait "${pids[j - 1]}" || rc=1   # a stream's rc: 1 on a failed or unrun file
+    echo "== stream $j"; grep -v "^NVIDIA" "$OUT/s$j/stream.log"
+  done
+  exit $rc
+fi
 if [[ $what == files ]]; then
   # one pytest per test file (file or file@-k-expression), each log under $OUT, stopping
   # before ${GPU_TEST_BUDGET_S:-550} s: fits the test files into one time-limited device call

@@ -169,3 +169,27 @@ def test_adapter_imports_without_other_framework(case, source, request, tmp_path
     assert not result["leaked"]
     for module, file in result["files"].items():
         assert Path(file).resolve().is_relative_to(where.resolve()), (module, file, where)
+
+
+def test_parallel_gpu_suite_covers_every_test_file():
+    """scripts/gpu.sh's two parallel calls (PARALLEL_SUITE_1 / _2) name every test
+    file, and a file split by -k expressions has parts that complement each other,
+    so a new test file cannot drop out of the whole-suite GPU run unnoticed."""
+    text = (ROOT / "scripts" / "gpu.sh").read_text()
+    entries = []
+    for name in ("PARALLEL_SUITE_1", "PARALLEL_SUITE_2"):
+        body = re.search(rf"^{name}=\((.*?)\)$", text, re.S | re.M).group(1)
+        for stream in re.findall(r'"([^"]*)"', body):
+            entries += stream.split(";")
+    files = {e.split("@")[0] for e in entries}
+    want = {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py")}
+    assert files == want, f"missing: {sorted(want - files)}, unknown: {sorted(files - want)}"
+    for f in files:
+        ks = [e.split("@", 1)[1] for e in entries if e.startswith(f + "@")]
+        whole = [e for e in entries if e == f]
+        if ks:  # split: exactly two parts, one the negation of the other (no test run twice or lost)
+            assert not whole and len(ks) == 2, f
+            pos, neg = sorted(ks, key=lambda k: k.startswith("not "))
+            assert neg == " and ".join(f"not {t.strip()}" for t in pos.split(" or ")), (f, ks)
+        else:
+            assert len(whole) == 1, f"{f} listed {len(whole)} times"

@@ -7,10 +7,16 @@
 #   bash scripts/gpu.sh parallel "<file;file@-k expression;...>" "<stream 2>" ...
 #     each argument a stream of `files` (entries separated by ';'), the streams run at
 #     once, each stopping before ${GPU_TEST_BUDGET_S:-550} s, logs under $OUT/s<i>/.
-#     NOTE: the whole suite fits two 10-minute calls this way (H200, 2026-11-25, 4-5
-#     streams per call, results/2026-11-25-host-final/gpu_tests_summary.txt), where
-#     one file per line took four; PARALLEL_SUITE_1 / _2 below are those two calls:
+#     NOTE: the whole suite fits two 10-minute calls this way, where one file per
+#     line took four: PARALLEL_SUITE_1 / _2 below, run with the default budget:
 #     bash scripts/gpu.sh parallel suite1   (then suite2)
+#     Measured (H200, 2026-11-25, results/2026-11-25-host-final/gpu_tests_summary.txt):
+#     at 9292861, five streams in the first call took 230-470 s and four in the second
+#     215-260 s. A second run of that first call (d099b9e) was slower: lightning 410 s
+#     instead of 332, and at a 470 s budget the two prefix parts, properties and merge
+#     were cut (93%, 70%, 33% and 57% through, no failure before the cut). So the
+#     prefix's real-size part (414 s even alone) now runs with the lighter second call
+#     and properties gets a stream of its own; this split has not yet run as a whole.
 # e.g. run(command="bash scripts/gpu.sh all merge_attn_states", carry=[".whl"])
 source "$(dirname "$0")/env.sh"   # exits on failure (set -e there)
 set +eu -o pipefail
@@ -22,14 +28,14 @@ what=${1:-all}; shift || true
 ops=("$@")
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 rc=0
-# the two calls of the whole suite (see parallel above); each stream took 230-470 s
+# the two calls of the whole suite (see parallel above)
 PARALLEL_SUITE_1=(
   "tests/test_prefix_prefill.py@not real_sizes and not cache_layout_matrix and not plans_build"
-  "tests/test_prefix_prefill.py@real_sizes or cache_layout_matrix or plans_build"
-  "tests/test_lightning_attention.py;tests/test_merge_attn_states.py"
-  "tests/test_properties.py;tests/test_merge_backward.py;tests/test_vmap.py;tests/test_spmd.py"
-  "tests/test_lightning_backward.py")
+  "tests/test_lightning_attention.py"
+  "tests/test_properties.py"
+  "tests/test_lightning_backward.py;tests/test_merge_attn_states.py;tests/test_merge_backward.py;tests/test_vmap.py;tests/test_spmd.py")
 PARALLEL_SUITE_2=(
+  "tests/test_prefix_prefill.py@real_sizes or cache_layout_matrix or plans_build"
   "tests/test_blocksparse_attention.py;tests/test_autograd_safety.py"
   "tests/test_blocksparse_backward.py;tests/test_architecture.py;tests/test_packaging.py;tests/test_bench_summary.py"
   "tests/test_lightning_varlen.py;tests/test_index_validation.py;tests/test_scalar_policy.py"

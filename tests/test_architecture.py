@@ -476,10 +476,11 @@ def test_gpu_cached_launcher_respecialises_and_yields_to_hooks():
                          ids=str)
 def test_executor_buffers_are_contiguous(shape):
     """The torch executor makes its buffers with torch.empty_strided and strides
-    worked out once per plan: those strides are torch.empty's own for every
-    shape (empty and size-1 dimensions included)."""
+    worked out once per plan (core_kernels._plan.row_major_strides, as for
+    ArrayInfo.contiguous): those strides are torch.empty's own for every shape
+    (empty and size-1 dimensions included)."""
     import torch
-    from adapters.torch._executor import _contiguous_strides
-    assert _contiguous_strides(shape) == torch.empty(shape).stride()
-    t = torch.empty_strided(shape, _contiguous_strides(shape))
+    from core_kernels._plan import row_major_strides
+    assert row_major_strides(shape) == torch.empty(shape).stride()
+    t = torch.empty_strided(shape, row_major_strides(shape))
     assert t.is_contiguous()

@@ -9,7 +9,7 @@ import os
 import torch
 
 from core_kernels._interpret import INTERPRETER_LOCK, interpreted
-from core_kernels._plan import ArrayInfo, Plan, Scalar, kernel_signature
+from core_kernels._plan import ArrayInfo, Plan, Scalar, kernel_signature, row_major_strides
 from core_kernels._target import Target
 
 TORCH_DTYPES = {
@@ -253,14 +253,6 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _empty_strided = torch.empty_strided
 
 
-def _contiguous_strides(shape) -> tuple:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
 class _Program:
     """A plan's GPU run, worked out once: the buffers to make, as (name, shape,
     contiguous strides, torch dtype, mode, Buffer), and the launches with their
@@ -270,7 +262,7 @@ class _Program:
     def __init__(self, plan):
         self.plan = plan
         self.allocs = tuple(
-            (name, tuple(buf.shape), _contiguous_strides(buf.shape), TORCH_DTYPES[buf.dtype],
+            (name, tuple(buf.shape), row_major_strides(buf.shape), TORCH_DTYPES[buf.dtype],
              _PLACEHOLDER if buf.placeholder else _PER_STREAM if buf.per_stream
              else _ZEROS if buf.zero_init else _EMPTY, buf)
             for name, buf in plan.buffers.items())

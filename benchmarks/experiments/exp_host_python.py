@@ -51,52 +51,64 @@ def _torch_proxy():
 
 
 class _NoLaunch:
-    """A cached compiled kernel (adapters.torch._executor._Compiled) whose C launch does nothing."""
+    """A cached compiled kernel (adapters.torch._executor._Compiled) whose C launch
+    does nothing (or appends its arguments to ``launched``)."""
     grid, function, coop, pdl, meta = (1, 1, 1), 0, False, False, None
 
-    @staticmethod
-    def raw(*args):
-        pass
+    def __init__(self, launched=None):
+        self.launched = launched
+
+    def raw(self, *args):
+        if self.launched is not None:
+            self.launched.append(args[13:])  # the kernel's own arguments
 
     def __call__(self, stream, args):
-        pass
+        if self.launched is not None:
+            self.launched.append(tuple(args))
 
 
 class _AlwaysCompiled(dict):
-    entry = _NoLaunch()
+    def __init__(self, entry):
+        super().__init__()
+        self.entry = entry
 
     def get(self, key, default=None):
         return self.entry
 
 
-def stub_gpu():
-    """Route the torch executor's GPU path to host stubs (see the module doc)."""
+def stub_gpu(patch=setattr, launched=None):
+    """Route the torch executor's GPU path to host stubs (see the module doc).
+    ``patch``: how to set each attribute (a test passes monkeypatch.setattr);
+    ``launched``: a list that gets every launch's kernel arguments."""
     from adapters.torch import _executor as ex
     from core_kernels._target import Target
     device = _FakeCuda()
     orig_check = ex.check_devices
+    entry = _NoLaunch(launched)
 
     def check_devices(**tensors):
         orig_check(**tensors)
         return device
-    ex.check_devices = check_devices
-    ex.target_for = lambda d: Target("cuda", 90, 132, gluon=True)
-    ex.torch = _torch_proxy()
-    ex._current_device = lambda: 0
-    ex._raw_stream = lambda index: 0
-    ex._FAST_PATH = True
+    patch(ex, "check_devices", check_devices)
+    patch(ex, "target_for", lambda d: Target("cuda", 90, 132, gluon=True))
+    patch(ex, "torch", _torch_proxy())
+    patch(ex, "_current_device", lambda: 0)
+    patch(ex, "_raw_stream", lambda index: 0)
+    if hasattr(ex, "_is_capturing"):  # the executor's capture check since 2026-11-25
+        patch(ex, "_is_capturing", lambda: False)
+    patch(ex, "_FAST_PATH", True)
     if hasattr(ex, "_empty_strided"):  # the executor's allocation since 2026-11-25
         empty_strided = torch.empty_strided
-        ex._empty_strided = lambda *args, device=None, **kwargs: empty_strided(*args, **kwargs)
+        patch(ex, "_empty_strided", lambda *args, device=None, **kwargs: empty_strided(*args, **kwargs))
     if hasattr(ex, "_COMPILED"):  # the executor before 2026-11-25 (one table of compiled kernels)
-        ex._COMPILED = _AlwaysCompiled()
+        patch(ex, "_COMPILED", _AlwaysCompiled(entry))
         return
     orig_recipe = ex._Recipe.__init__
 
     def recipe(self, launch):
         orig_recipe(self, launch)
-        self.compiled = _AlwaysCompiled()
-    ex._Recipe.__init__ = recipe
+        self.compiled = _AlwaysCompiled(entry)
+    patch(ex._Recipe, "__init__", recipe)
 
 
 def cases():

@@ -194,6 +194,7 @@ class IndexValidationTests:
             ex = importlib.import_module("adapters.torch._executor")
             for name in ("_run_interpreted", "_run_gpu"):
                 monkeypatch.setattr(ex, name, launched)
+            monkeypatch.setattr(ex._Replay, "__call__", launched)  # a replayed call's GPU run (CallMemo)
 
     def no_validation(self, monkeypatch):
         """Any host copy or check of index data fails the test."""

@@ -325,25 +325,35 @@ _increment_version = getattr(torch._C, "_increment_version", torch.autograd.grap
 
 class _Replay:
     """A memo entry's GPU run (what ``_run_gpu`` does for its program), worked
-    out for the op's tensor order: the buffers to make, then per launch the
-    positions of its pointer arguments among the call's tensors and buffers,
-    and the rest of its arguments (the recorded runtime scalars, the plan's
-    constants). Returns the buffers by name. A launch whose compiled kernel
-    is not cached for this alignment, or with launch hooks set, takes
-    ``_launch`` (Triton's regular path)."""
-    __slots__ = ("prog", "names", "device", "index", "runtime", "allocs", "buffers", "launches", "scratch")
+    out for the op's tensor order: the buffers to make (placeholders resolved
+    once), then per launch the positions of its pointer arguments among the
+    call's tensors and buffers, and the rest of its arguments (the recorded
+    runtime scalars, the plan's constants). Returns the buffers made for the
+    call (outputs), by name. A launch whose compiled kernel is not cached for
+    this alignment, or with launch hooks set, takes ``_launch`` (Triton's
+    regular path)."""
+    __slots__ = ("prog", "names", "device", "index", "runtime", "made", "made_names", "stream_bufs",
+                 "constants", "order", "launches", "scratch")
 
     def __init__(self, prog, names, device, runtime):
         self.prog, self.names, self.device, self.runtime = prog, names, device, runtime
         self.index = device.index if device.index is not None else torch.cuda.current_device()
-        pos = {n: i for i, n in enumerate(names)}
-        self.allocs = prog.allocs
-        self.buffers = tuple(a[0] for a in prog.allocs)
-        self.scratch = {}  # raw stream -> {name: per-stream buffer}
-        for name in self.buffers:
-            if name in pos:
+        made, stream_bufs, constants = [], [], []
+        for name, shape, strides, dtype, mode, buf in prog.allocs:
+            if name in names:
                 raise ValueError(f"{name}: a buffer named as an argument")
-            pos[name] = len(pos)
+            if mode is _PER_STREAM:
+                stream_bufs.append((name, shape, strides, dtype, buf))
+            elif mode is _PLACEHOLDER:
+                constants.append((name, _placeholder(device, buf.dtype)))
+            else:
+                made.append((name, shape, strides, dtype, mode is _ZEROS))
+        self.made, self.stream_bufs = tuple(made), tuple(stream_bufs)
+        self.made_names = tuple(m[0] for m in made)
+        self.constants = tuple(c[1] for c in constants)
+        # objs = tensors, made buffers, per-stream buffers, placeholders
+        self.order = names + self.made_names + tuple(b[0] for b in stream_bufs) + tuple(c[0] for c in constants)
+        pos = {n: i for i, n in enumerate(self.order)}
         launches = []
         for launch, recipe in prog.launches:
             at = [pos[n] for n in recipe.ptr_names]
@@ -352,56 +362,50 @@ class _Replay:
             rts = [runtime[n] for n in recipe.rt_names]
             launches.append((launch, recipe, pick, rts, rts + recipe.consts))
         self.launches = tuple(launches)
+        self.scratch = {}  # raw stream -> the per-stream buffers, in order
 
     def __call__(self, tensors):
-        objs = list(tensors)
         device = self.device
-        scratch = None
-        for name, shape, strides, dtype, mode, buf in self.allocs:
-            if mode is _PER_STREAM:
-                if scratch is None:
-                    scratch = self._scratch()
-                if scratch is not _CAPTURING:
-                    objs.append(scratch[name])
-                    continue
-                mode = _ZEROS if buf.zero_init else _EMPTY
-            if mode is _EMPTY:
-                objs.append(_empty_strided(shape, strides, dtype=dtype, device=device))
-            elif mode is _ZEROS:
-                objs.append(torch.zeros(shape, dtype=dtype, device=device))
-            else:
-                objs.append(_placeholder(device, buf.dtype))
-        if self.index != _current_device():
+        made = [_empty_strided(shape, strides, dtype=dtype, device=device) if not zeros
+                else torch.zeros(shape, dtype=dtype, device=device)
+                for _, shape, strides, dtype, zeros in self.made]
+        objs = [*tensors, *made]
+        if self.stream_bufs:
+            objs += self._scratch()
+        if self.constants:
+            objs += self.constants
+        index = self.index
+        if index != _current_device():
             with torch.cuda.device(device):
-                self._launch_all(objs)
+                self._launch_all(objs, index)
         else:
-            self._launch_all(objs)
-        return dict(zip(self.buffers, objs[len(self.names):]))
+            self._launch_all(objs, index)
+        return dict(zip(self.made_names, made))
 
     def _scratch(self):
-        """The per-stream buffers on the current stream, by name (_stream_scratch,
-        looked up once per stream), or _CAPTURING during a CUDA graph capture."""
+        """The per-stream buffers on the current stream (_stream_scratch, looked up
+        once per stream); fresh ones during a CUDA graph capture (as _run_gpu)."""
         if _is_capturing():
-            return _CAPTURING
+            return [torch.zeros(shape, dtype=dtype, device=self.device) if buf.zero_init
+                    else _empty_strided(shape, strides, dtype=dtype, device=self.device)
+                    for _, shape, strides, dtype, buf in self.stream_bufs]
         stream = _raw_stream(self.index)
         views = self.scratch.get(stream)
         if views is None:
             if len(self.scratch) >= _VIEWS_MAX:
                 self.scratch.clear()
-            views = self.scratch[stream] = {
-                name: _stream_scratch(self.device, name, buf)
-                for name, _, _, _, mode, buf in self.allocs if mode is _PER_STREAM}
+            views = self.scratch[stream] = [_stream_scratch(self.device, name, buf)
+                                            for name, _, _, _, buf in self.stream_bufs]
         return views
 
-    def _launch_all(self, objs):
-        index = self.index
+    def _launch_all(self, objs, index):
         hooks = _hooks_set()
         for launch, recipe, pick, rts, tail in self.launches:
             ptrs = list(map(_data_ptr, pick(objs)))
             key = index if not rts and not (_reduce(_or, ptrs, 0) & 15) else _spec(index, ptrs, rts)
             entry = recipe.compiled.get(key) if _FAST_PATH else None
             if entry is None or hooks:
-                _launch(launch, recipe, dict(zip(self.names + self.buffers, objs)), self.runtime, index)
+                _launch(launch, recipe, dict(zip(self.order, objs)), self.runtime, index)
                 continue
             g, raw = entry.grid, entry.raw
             if raw is not None:

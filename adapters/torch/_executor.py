@@ -359,8 +359,8 @@ class _Replay:
             at = [pos[n] for n in recipe.ptr_names]
             pick = operator.itemgetter(*at) if len(at) > 1 else (lambda objs, i=at[0]: (objs[i],)) \
                 if at else (lambda objs: ())
-            rts = [runtime[n] for n in recipe.rt_names]
-            launches.append((launch, recipe, pick, rts, rts + recipe.consts))
+            rts = [runtime[n] for n in recipe.rt_names]  # fixed for the entry: so is the key when aligned
+            launches.append((launch, recipe, pick, rts, rts + recipe.consts, _spec(self.index, (), rts)))
         self.launches = tuple(launches)
         self.scratch = {}  # raw stream -> the per-stream buffers, in order
 
@@ -400,9 +400,9 @@ class _Replay:
 
     def _launch_all(self, objs, index):
         hooks = _hooks_set()
-        for launch, recipe, pick, rts, tail in self.launches:
+        for launch, recipe, pick, rts, tail, aligned_key in self.launches:
             ptrs = list(map(_data_ptr, pick(objs)))
-            key = index if not rts and not (_reduce(_or, ptrs, 0) & 15) else _spec(index, ptrs, rts)
+            key = aligned_key if not (_gcd(*ptrs) & 15) else _spec(index, ptrs, rts)
             entry = recipe.compiled.get(key) if _FAST_PATH else None
             if entry is None or hooks:
                 _launch(launch, recipe, dict(zip(self.order, objs)), self.runtime, index)
@@ -609,14 +609,17 @@ def _spec(device_index, ptrs, rts):
     divisibility: the integer policy of core_kernels._triton_utils.jit). The
     usual case, every pointer 16-byte aligned and no runtime integer, is the
     device index alone."""
-    aligned = not (_reduce(_or, ptrs, 0) & 15)
+    aligned = not (_gcd(*ptrs) & 15)
     if aligned and not rts:
         return device_index
     return (device_index, True if aligned else tuple(p & 15 == 0 for p in ptrs),
             tuple((v == 1, -2 ** 31 <= v < 2 ** 31) if isinstance(v, int) else None for v in rts))
 
 
-_reduce, _or = functools.reduce, operator.or_
+# NOTE: every pointer is 16-byte aligned iff their gcd is a multiple of 16 (gcd(0, p) = p;
+# no pointers: 0): one C call, ~0.1 us for eight pointers against ~0.35 us for
+# functools.reduce(operator.or_) (the development CPU, 2026-11-25).
+_gcd = math.gcd
 
 
 _KNOBS = None
@@ -671,7 +674,7 @@ def _launch(launch, recipe, env, runtime, device_index):
             rts = [runtime[n] for n in recipe.rt_names]
             key, values = _spec(device_index, ptrs, rts), ptrs + rts + recipe.consts
         else:
-            key = device_index if not (_reduce(_or, ptrs, 0) & 15) else _spec(device_index, ptrs, ())
+            key = device_index if not (_gcd(*ptrs) & 15) else _spec(device_index, ptrs, ())
             values = ptrs + recipe.consts
         entry = recipe.compiled.get(key)
         if entry is not None and not _hooks_set():

@@ -343,6 +343,7 @@ def test_gpu_replay_launches_what_the_regular_path_launches(monkeypatch):
             pool[key] = torch.empty_strided(shape, strides, dtype=dtype).fill_(float("nan"))
         return pool[key]
     monkeypatch.setattr(ex, "_empty_strided", pooled)
+    monkeypatch.setattr(ex, "_new_empty_strided", lambda like, shape, strides: pooled(shape, strides, like.dtype))
     regular_calls = []
     orig_cached = ex._cached
     monkeypatch.setattr(ex, "_cached", lambda *a: regular_calls.append(1) or orig_cached(*a))

@@ -77,7 +77,7 @@ def poisoned(shape, **kw):
 
 def test_repeated_merge_is_replayed_on_new_data(regular_path_calls):
     memo = _ops_merge._MEMO
-    for i in range(4):
+    for i in range(5):
         po, pl, so, sl = merge_inputs(100 + i)
         out, lse = poisoned(po.shape), poisoned(pl.shape)
         version = out._version
@@ -86,30 +86,57 @@ def test_repeated_merge_is_replayed_on_new_data(regular_path_calls):
         torch.testing.assert_close(out.cpu().double(), ref_out, atol=TOL, rtol=TOL)
         torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=TOL, rtol=TOL)
         assert out._version > version  # the in-place write is visible to autograd's checks
-        assert len(memo.entries) == 1
-    assert len(regular_path_calls) == 1  # the first call only
+        assert len(memo.entries) == (i > 0)  # the second call of a plan makes the entry
+    assert len(regular_path_calls) == 2  # the first two calls only
 
 
 def test_other_layouts_miss_and_the_memo_stays_small(regular_path_calls):
     memo = _ops_merge._MEMO
     cases = [dict(), dict(lse_transposed=True), dict(n=7), dict(h=4), dict(d=32), dict(n=2, h=5)]
     for case in cases:
-        for seed in (1, 2):
+        for seed in (1, 2, 3):
             po, pl, so, sl = merge_inputs(seed, **case)
             out = poisoned(po.shape)
             at.merge_attn_states(out, po, pl, so, sl)
             torch.testing.assert_close(out.cpu().double(), merge_reference(po, pl, so, sl)[0],
                                        atol=TOL, rtol=TOL)
-    assert len(regular_path_calls) == len(cases)  # one miss per layout, then replays
+        if cases.index(case) < memo.size:  # while there is room: two misses, then a replay
+            assert len(regular_path_calls) == 2 * (cases.index(case) + 1)
     assert len(memo.entries) == memo.size < len(cases)
-    # a padded output (another head stride) and a half-precision call miss too
+    calls = len(regular_path_calls)
+    # a padded output (another head stride) misses too
     po, pl, so, sl = merge_inputs(3)
     wide = poisoned((5, 3, 32))
     at.merge_attn_states(wide[:, :, :16], po, pl, so, sl)
     torch.testing.assert_close(wide[:, :, :16].cpu().double(), merge_reference(po, pl, so, sl)[0],
                                atol=TOL, rtol=TOL)
     assert wide[:, :, 16:].isnan().all()
-    assert len(regular_path_calls) == len(cases) + 1
+    assert len(regular_path_calls) == calls + 1
+
+
+def test_layouts_that_do_not_repeat_make_no_entries_and_unused_entries_back_off(monkeypatch):
+    memo = _ops_merge._MEMO
+    built = []
+    orig_guard = ex._layout_guard
+    monkeypatch.setattr(ex, "_layout_guard", lambda ts: built.append(1) or orig_guard(ts))
+
+    def merge(n):
+        po, pl, so, sl = merge_inputs(n, n=n)
+        out = poisoned(po.shape)
+        at.merge_attn_states(out, po, pl, so, sl)
+        torch.testing.assert_close(out.cpu().double(), merge_reference(po, pl, so, sl)[0], atol=TOL, rtol=TOL)
+    for n in range(1, 11):  # every call a new token count (prefill lengths)
+        merge(n)
+    assert not built and not memo.entries
+    for n in range(11, 31):  # each count twice, never again: entries made and dropped unused
+        merge(n)
+        merge(n)
+    assert len(memo.entries) == memo.size
+    assert memo.skip + memo.last_skip > 0 and len(built) < 20  # it stopped making every one
+    for _ in range(3):  # a layout that does repeat still gets its entry (after the skipped ones)
+        for _ in range(70):
+            merge(40)
+    assert any(e.hits for e in memo.entries)
 
 
 def test_inference_tensor_write_refused_after_a_replayed_layout():
@@ -137,7 +164,7 @@ def test_gradients_take_the_regular_path():
     wp = torch.exp(pl.detach().cpu().double() - merge_reference(po.detach(), pl, so, sl)[1]).t()
     torch.testing.assert_close(po.grad.cpu().double(), wp[:, :, None].expand(po.shape),
                                atol=TOL, rtol=TOL)
-    # and a call that needs no gradient is replayed again, without one
+    # and a call that needs no gradient takes the plain path again, without one
     with torch.no_grad():
         out2 = torch.empty_like(po)
         at.merge_attn_states(out2, po, pl, so, sl)
@@ -187,7 +214,7 @@ def test_blocksparse_replay_matches_the_reference_and_the_regular_path(decode, r
     for seed in (10, 11, 12):
         out, ref, args = bs_call(seed, decode)
         np.testing.assert_allclose(torch_to_numpy(out), ref, atol=TOL, rtol=TOL)
-    assert len(regular_path_calls) == 1 and len(_ops_blocksparse._MEMO.entries) == 1
+    assert len(regular_path_calls) == 2 and len(_ops_blocksparse._MEMO.entries) == 1
     (q, k, v, cu_k), cu_q, crow, col = args
     replayed = at.blocksparse_flash_attn_varlen_fwd(q, k, v, cu_k, cu_q, None, (crow, col), block_size=16)
     ex.set_call_memo(False)
@@ -196,12 +223,12 @@ def test_blocksparse_replay_matches_the_reference_and_the_regular_path(decode, r
 
 
 def test_blocksparse_aliasing_and_scalars_are_part_of_the_match(regular_path_calls):
-    bs_call(20, decode=False, alias=True)
-    bs_call(21, decode=False, alias=True)
-    assert len(regular_path_calls) == 1
-    out, ref, _ = bs_call(22, decode=False, alias=False)  # cu_seqlens_q a copy: another entry
-    np.testing.assert_allclose(torch_to_numpy(out), ref, atol=TOL, rtol=TOL)
+    for seed in (20, 21, 22):
+        bs_call(seed, decode=False, alias=True)
     assert len(regular_path_calls) == 2
+    out, ref, _ = bs_call(23, decode=False, alias=False)  # cu_seqlens_q a copy: another entry
+    np.testing.assert_allclose(torch_to_numpy(out), ref, atol=TOL, rtol=TOL)
+    assert len(regular_path_calls) == 3 and len(_ops_blocksparse._MEMO.entries) == 2
     # another sm_scale value: another result, not the recorded one
     out_a, _, args = bs_call(23, sm_scale=0.5)
     (q, k, v, cu_k), cu_q, crow, col = args
@@ -252,6 +279,17 @@ def test_a_failed_call_is_not_recorded(regular_path_calls):
     at.blocksparse_flash_attn_varlen_fwd(q, k, v, cu_k, None, None, (crow, col), block_size=16,
                                          validate_indices=True)
     assert not memo.entries
+    # a failed call's recording keeps none of its tensors alive
+    import gc
+    import weakref
+    wide_k = k.double()
+    alive = weakref.ref(wide_k)
+    with pytest.raises((TypeError, ValueError), match="^k: "):
+        at.blocksparse_flash_attn_varlen_fwd(q, wide_k, v, cu_k, None, None, (crow, col), block_size=16)
+    assert ex._RECORDING.state is None  # the failed call's recording was abandoned
+    del wide_k
+    gc.collect()
+    assert alive() is None
 
 
 # ------------------------------------------------------------------ the other ops
@@ -262,7 +300,7 @@ def test_lightning_prefill_replay_is_bitwise_the_regular_path(regular_path_calls
     for _ in range(3):
         q, k, v = (torch.randn(1, 2, 20, 16, generator=g).to(DEVICE) for _ in range(3))
         results.append(((q, k, v), at.lightning_attention(q, k, v, ed, 8)))
-    assert len(regular_path_calls) == 1 and len(_ops_lightning._PREFILL_MEMO.entries) == 1
+    assert len(regular_path_calls) == 2 and len(_ops_lightning._PREFILL_MEMO.entries) == 1
     ex.set_call_memo(False)
     for (q, k, v), (out, kv) in results:
         out_r, kv_r = at.lightning_attention(q, k, v, ed, 8)
@@ -271,7 +309,7 @@ def test_lightning_prefill_replay_is_bitwise_the_regular_path(regular_path_calls
     # a kv_history, and final-state-only, are other entries, replayed as such
     ex.set_call_memo(True)
     hist = torch.randn(1, 2, 16, 16, generator=g).to(DEVICE)
-    for final_only in (False, True, False, True):
+    for final_only in (False, True, False, True, False, True):  # the last two replayed
         replayed = at.lightning_attention(q, k, v, ed, 8, hist, final_only)
     assert len(_ops_lightning._PREFILL_MEMO.entries) == 2  # set_call_memo emptied it
     ex.set_call_memo(False)
@@ -355,7 +393,8 @@ def test_gpu_replay_launches_what_the_regular_path_launches(monkeypatch):
             regular_result = call()
             regular = list(launched)
             ex.set_call_memo(True)
-            call()  # recorded
+            call()
+            call()  # the second regular call of a plan makes its entry
             launched.clear()
             regular_calls.clear()
             replay_result = call()

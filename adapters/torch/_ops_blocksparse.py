@@ -165,14 +165,18 @@ def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_sc
     env = _MEMO.lookup(tensors, scalars, validate_indices)
     if env is not None:
         return env["output"]
-    if index_validation(validate_indices, cu_seqlens_k, cu_seqlens_q, crow, col):
-        _check_indices(q, k, cu_seqlens_k, cu_seqlens_q, crow, col, block_size, max_seqlen)
-    out = _bsattn_op(q, k, v, cu_seqlens_k, cu_seqlens_q, crow, col,
-                     None if sm_scale is None else as_float("sm_scale", sm_scale, finite=False),
-                     as_int("block_size", block_size),
-                     None if q_block_size is None else as_int("q_block_size", q_block_size),
-                     None if max_seqlen is None else as_int("max_seqlen", max_seqlen),
-                     encode_config(config))
+    try:
+        if index_validation(validate_indices, cu_seqlens_k, cu_seqlens_q, crow, col):
+            _check_indices(q, k, cu_seqlens_k, cu_seqlens_q, crow, col, block_size, max_seqlen)
+        out = _bsattn_op(q, k, v, cu_seqlens_k, cu_seqlens_q, crow, col,
+                         None if sm_scale is None else as_float("sm_scale", sm_scale, finite=False),
+                         as_int("block_size", block_size),
+                         None if q_block_size is None else as_int("q_block_size", q_block_size),
+                         None if max_seqlen is None else as_int("max_seqlen", max_seqlen),
+                         encode_config(config))
+    except BaseException:
+        _MEMO.abandon()
+        raise
     _MEMO.commit()
     return out
 

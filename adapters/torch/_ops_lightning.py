@@ -126,8 +126,12 @@ def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: t
     env = _PREFILL_MEMO.lookup(tensors, scalars, False)
     if env is not None:
         return env["output"], env["kv"]
-    result = _prefill_op(q, k, v, ed, as_int("block_size", block_size), kv_history,
-                         output_final_state_only, encode_config(config))
+    try:
+        result = _prefill_op(q, k, v, ed, as_int("block_size", block_size), kv_history,
+                             output_final_state_only, encode_config(config))
+    except BaseException:
+        _PREFILL_MEMO.abandon()
+        raise
     _PREFILL_MEMO.commit()
     return result
 
@@ -191,11 +195,15 @@ def linear_decode_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     env = _DECODE_MEMO.lookup(tensors, (BLOCK_SIZE, config), validate_indices)
     if env is not None:
         return env["output"]
-    if index_validation(validate_indices, slot_idx) and isinstance(kv_caches, torch.Tensor) \
-            and kv_caches.dim() == 4:
-        check_indices(_index_check.check_linear_decode, dict(slot_idx=slot_idx),
-                      num_slots=kv_caches.shape[0])
-    as_int("BLOCK_SIZE", BLOCK_SIZE, 1)  # unused (vLLM's signature), but an int all the same
-    out = _decode_op(q, k, v, kv_caches, slope_rate, slot_idx, encode_config(config))
+    try:
+        if index_validation(validate_indices, slot_idx) and isinstance(kv_caches, torch.Tensor) \
+                and kv_caches.dim() == 4:
+            check_indices(_index_check.check_linear_decode, dict(slot_idx=slot_idx),
+                          num_slots=kv_caches.shape[0])
+        as_int("BLOCK_SIZE", BLOCK_SIZE, 1)  # unused (vLLM's signature), but an int all the same
+        out = _decode_op(q, k, v, kv_caches, slope_rate, slot_idx, encode_config(config))
+    except BaseException:
+        _DECODE_MEMO.abandon()
+        raise
     _DECODE_MEMO.commit()
     return out

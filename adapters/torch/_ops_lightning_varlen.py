@@ -193,20 +193,28 @@ def lightning_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     env = _MEMO.lookup(tensors, (block_size, config), validate_indices)
     if env is not None:  # a cache form when kv_cache is given (the entry's pattern of absent tensors)
         return env["output"], env["states"] if kv_cache is None else kv_cache
+    try:
+        result = _varlen(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config, validate_indices)
+    except BaseException:
+        _MEMO.abandon()
+        raise
+    _MEMO.commit()  # (a call that went through autograd made no plain execute: not kept)
+    return result
+
+
+def _varlen(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config, validate_indices):
+    """lightning_attention_varlen's regular path."""
     if index_validation(validate_indices, cu_seqlens, slot_idx) and isinstance(q, torch.Tensor) \
             and q.dim() == 3:
         check_indices(_index_check.check_lightning_varlen,
                       dict(cu_seqlens=cu_seqlens, slot_idx=slot_idx), num_tokens=q.shape[0],
                       num_slots=kv_cache.shape[0] if isinstance(kv_cache, torch.Tensor) else 0)
     if kv_cache is None and slot_idx is None:
-        result = _states_op(q, k, v, ed, cu_seqlens, block_size, encode_config(config))
-        _MEMO.commit()
-        return result
+        return _states_op(q, k, v, ed, cu_seqlens, block_size, encode_config(config))
     if kv_cache is None or slot_idx is None:  # the planner's error, before any launch
         _run(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, encode_config(config))
     if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
                                        for x in (q, k, v, ed, kv_cache)):
         return _cache_with_grad(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, encode_config(config))
     out = _cache_op(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, encode_config(config))
-    _MEMO.commit()
     return out, kv_cache

@@ -176,14 +176,18 @@ def merge_attn_states(output: torch.Tensor, prefix_output: torch.Tensor, prefix_
     if _MEMO.lookup((output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse, output_scale,
                      prefill_tokens_with_context), (config,), False) is not None:
         return
-    count = None
-    if isinstance(prefill_tokens_with_context, torch.Tensor):
-        count, prefill_tokens_with_context = prefill_tokens_with_context, None
-    elif prefill_tokens_with_context is not None:
-        prefill_tokens_with_context = as_int("prefill_tokens_with_context", prefill_tokens_with_context)
-    _merge_op(output, prefix_output, prefix_lse, suffix_output, suffix_lse,
-              output_lse, prefill_tokens_with_context, scale_tensor("output_scale", output_scale, output),
-              encode_config(config), count)
+    try:
+        count = None
+        if isinstance(prefill_tokens_with_context, torch.Tensor):
+            count, prefill_tokens_with_context = prefill_tokens_with_context, None
+        elif prefill_tokens_with_context is not None:
+            prefill_tokens_with_context = as_int("prefill_tokens_with_context", prefill_tokens_with_context)
+        _merge_op(output, prefix_output, prefix_lse, suffix_output, suffix_lse,
+                  output_lse, prefill_tokens_with_context, scale_tensor("output_scale", output_scale, output),
+                  encode_config(config), count)
+    except BaseException:
+        _MEMO.abandon()
+        raise
     _MEMO.commit()
 
 

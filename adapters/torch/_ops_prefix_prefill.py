@@ -108,19 +108,23 @@ def context_attention_fwd(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b
                      is_block_table_ptr, interleaved_v_pack_factor, causal, config),
                     validate_indices) is not None:
         return
-    if index_validation(validate_indices, b_loc, b_start_loc, b_seq_len):
-        _check_indices(q, k, k_cache, b_loc, b_start_loc, b_seq_len, max_input_len,
-                       sliding_window, skip_decode, is_block_table_ptr, max_seq_len)
-    # host scalars as plain ints / floats (docs/scalar_policy.md); ranges are the planner's
-    _op(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b_start_loc, b_seq_len,
-        0 if max_seq_len is None else as_int("max_seq_len", max_seq_len, 0, INT32_MAX),
-        as_int("max_input_len", max_input_len), scale_tensor("k_scale", k_scale, q),
-        scale_tensor("v_scale", v_scale, q), alibi_slopes,
-        None if sliding_window is None else as_int("sliding_window", sliding_window),
-        None if sm_scale is None else as_float("sm_scale", sm_scale, finite=False),
-        bool(skip_decode), scale_tensor("fp8_out_scale", fp8_out_scale, q), sinks, bool(causal),
-        as_int("interleaved_v_pack_factor", interleaved_v_pack_factor, 0, INT32_MAX),
-        bool(is_block_table_ptr), encode_config(config))
+    try:
+        if index_validation(validate_indices, b_loc, b_start_loc, b_seq_len):
+            _check_indices(q, k, k_cache, b_loc, b_start_loc, b_seq_len, max_input_len,
+                           sliding_window, skip_decode, is_block_table_ptr, max_seq_len)
+        # host scalars as plain ints / floats (docs/scalar_policy.md); ranges are the planner's
+        _op(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b_start_loc, b_seq_len,
+            0 if max_seq_len is None else as_int("max_seq_len", max_seq_len, 0, INT32_MAX),
+            as_int("max_input_len", max_input_len), scale_tensor("k_scale", k_scale, q),
+            scale_tensor("v_scale", v_scale, q), alibi_slopes,
+            None if sliding_window is None else as_int("sliding_window", sliding_window),
+            None if sm_scale is None else as_float("sm_scale", sm_scale, finite=False),
+            bool(skip_decode), scale_tensor("fp8_out_scale", fp8_out_scale, q), sinks, bool(causal),
+            as_int("interleaved_v_pack_factor", interleaved_v_pack_factor, 0, INT32_MAX),
+            bool(is_block_table_ptr), encode_config(config))
+    except BaseException:
+        _MEMO.abandon()
+        raise
     _MEMO.commit()
 
 

@@ -9,7 +9,7 @@ import threading
 
 import torch
 
-from core_kernels._index_check import _env_on as _validation_env_on
+from core_kernels._index_check import requested as _validation_requested
 from core_kernels._interpret import INTERPRETER_LOCK, interpreted
 from core_kernels._plan import ArrayInfo, Plan, Scalar, kernel_signature, row_major_strides
 from core_kernels._target import Target
@@ -144,8 +144,7 @@ def execute(planner, tensors: dict, runtime: dict | None = None, check=None, **o
     if device.type != "cuda":
         env = _run_interpreted(plan, tensors, runtime, device)
     else:
-        prog = _program(plan)
-        env = _run_gpu(prog, tensors, runtime, device)
+        env = _run_gpu(_program(plan), tensors, runtime, device)
     recording = _RECORDING.state
     if recording is not None:
         recording[3].append((plan, device, tensors, runtime, check is not None))
@@ -208,7 +207,7 @@ _PAID_OFF = 8  # replays that repay making an entry (~30 us against ~4-6 us save
 
 
 class _MemoEntry:
-    __slots__ = ("types", "scalars", "fixed", "pick", "guard", "prog", "plan", "device", "runtime", "hits")
+    __slots__ = ("types", "scalars", "fixed", "pick", "guard", "replay", "plan", "device", "runtime", "hits")
 
 
 class CallMemo:
@@ -273,7 +272,7 @@ class CallMemo:
         matching entry, or None: take the regular path (this then records it)."""
         if _is_compiling():
             return None
-        if validate is not None and validate is not False or validate is None and _validation_env_on():
+        if validate is not False and _validation_requested(validate):
             _RECORDING.state = None
             return None
         types = tuple(map(type, scalars))
@@ -292,8 +291,8 @@ class CallMemo:
         return None
 
     def _replay(self, entry, tensors):
-        if entry.prog is not None:
-            env = entry.prog(tensors)
+        if entry.replay is not None:
+            env = entry.replay(tensors)
         elif torch.cuda.is_available() and not interpret_requested():
             return None  # the regular path's error (check_devices)
         else:
@@ -352,9 +351,9 @@ class CallMemo:
         entry = _MemoEntry()
         entry.types, entry.scalars = tuple(map(type, scalars)), scalars
         entry.fixed = tuple(fixed)
-        entry.pick = operator.itemgetter(*present) if len(present) > 1 else (lambda ts, i=present[0]: (ts[i],))
+        entry.pick = _getter(present)
         entry.guard, entry.plan, entry.device, entry.runtime = guard, plan, device, runtime
-        entry.prog = _Replay(_program(plan), self.names, device, runtime) if device.type == "cuda" else None
+        entry.replay = _Replay(_program(plan), self.names, device, runtime) if device.type == "cuda" else None
         entry.hits = 0
         self.entries.insert(0, entry)
         for dropped in self.entries[self.size:]:
@@ -373,8 +372,10 @@ _increment_version = getattr(torch._C, "_increment_version", torch.autograd.grap
 
 
 def _getter(index):
-    """operator.itemgetter(*index), always returning a tuple."""
-    return operator.itemgetter(*index) if len(index) > 1 else (lambda s, i=index[0]: (s[i],))
+    """operator.itemgetter(*index), always returning a tuple (empty for no index)."""
+    if len(index) > 1:
+        return operator.itemgetter(*index)
+    return (lambda s, i=index[0]: (s[i],)) if index else (lambda s: ())
 
 
 # NOTE: a replay makes its outputs by new_empty_strided on a kept 0-element tensor of
@@ -392,11 +393,11 @@ class _Replay:
     call (outputs), by name. A launch whose compiled kernel is not cached for
     this alignment, or with launch hooks set, takes ``_launch`` (Triton's
     regular path)."""
-    __slots__ = ("prog", "names", "device", "index", "runtime", "made", "made_names", "stream_bufs",
+    __slots__ = ("names", "device", "index", "runtime", "made", "made_names", "stream_bufs",
                  "constants", "order", "launches", "scratch")
 
     def __init__(self, prog, names, device, runtime):
-        self.prog, self.names, self.device, self.runtime = prog, names, device, runtime
+        self.names, self.device, self.runtime = names, device, runtime
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         made, stream_bufs, constants = [], [], []
         for name, shape, strides, dtype, mode, buf in prog.allocs:
@@ -429,9 +430,8 @@ class _Replay:
             getter = _getter([remap[i] if i < len(at) else i for i in recipe.index]) if recipe.index else None
             rts = [runtime[n] for n in recipe.rt_names]
             aligned_key = _spec(self.index, fixed_ptrs, rts) if not (_gcd(*fixed_ptrs) & 15) else None
-            pick_all = _getter(at) if at else (lambda objs: ())
-            launches.append((launch, recipe, _getter([at[i] for i in var]) if var else (lambda objs: ()),
-                             fixed_ptrs + rts + recipe.consts, getter, aligned_key, pick_all, rts))
+            launches.append((launch, recipe, _getter([at[i] for i in var]), fixed_ptrs + rts + recipe.consts,
+                             getter, aligned_key, _getter(at), rts))
         self.launches = tuple(launches)
         self.scratch = {}  # raw stream -> the per-stream buffers, in order
 
@@ -592,7 +592,6 @@ _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device
 # Python wrapper (which also checks that CUDA is initialised: a tensor on the GPU
 # is proof enough)
 _is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
-_CAPTURING = object()
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
@@ -649,8 +648,7 @@ class _Recipe:
         self.index = index = [base[kind] + i for kind, i in order]
         self.getter = _getter(index)
         self.ptr_names, self.rt_names, self.consts = tuple(ptrs), tuple(rts), consts
-        self.tensors = operator.itemgetter(*ptrs) if len(ptrs) > 1 else (lambda env, n=ptrs[0]: (env[n],)) \
-            if ptrs else (lambda env: ())
+        self.tensors = _getter(ptrs)
         self.compiled = {}
 
 

@@ -366,7 +366,8 @@ def test_gpu_replay_launches_what_the_regular_path_launches(monkeypatch):
     stubbed (benchmarks/experiments/exp_host_python.py): for each op's decode-size
     call, the replayed call hands the kernel launcher exactly the arguments the
     regular path hands it (pointers included: allocations come from a fixed pool
-    here), and the returned buffers are the same."""
+    here), the returned buffers are the same, and so are the version counters'
+    bumps of the tensors it writes."""
     from benchmarks.experiments import exp_host_python as e
     launched = []
     e.stub_gpu(monkeypatch.setattr, launched)
@@ -385,24 +386,41 @@ def test_gpu_replay_launches_what_the_regular_path_launches(monkeypatch):
     regular_calls = []
     orig_cached = ex._cached
     monkeypatch.setattr(ex, "_cached", lambda *a: regular_calls.append(1) or orig_cached(*a))
+    arguments = []
+    orig_lookup = ex.CallMemo.lookup
+    monkeypatch.setattr(ex.CallMemo, "lookup", lambda self, tensors, *a: arguments.append(tensors)
+                        or orig_lookup(self, tensors, *a))
+
+    generic = []  # calls of the table-driven replay (the straight-line one falls back to it)
+    orig_replay = ex._Replay.__call__
+    monkeypatch.setattr(ex._Replay, "__call__", lambda self, tensors: generic.append(1) or orig_replay(self, tensors))
+
+    def versions():  # the version counters of the last call's tensors (None: absent)
+        return [None if t is None else t._version for t in arguments[-1]]
     replayed = 0
-    with torch.inference_mode():
-        for name, call in e.cases():
-            ex.set_call_memo(False)
-            launched.clear()
-            regular_result = call()
-            regular = list(launched)
-            ex.set_call_memo(True)
-            call()
-            call()  # the second regular call of a plan makes its entry
-            launched.clear()
-            regular_calls.clear()
-            replay_result = call()
-            replayed += not regular_calls
-            assert regular and launched == regular, name
-            flat = (lambda r: [] if r is None else [r] if isinstance(r, torch.Tensor) else list(r))
-            for a, b in zip(flat(regular_result), flat(replay_result), strict=True):
-                assert a.data_ptr() == b.data_ptr() and a.shape == b.shape, name
-            ex.set_call_memo(True)
+    for name, call in e.cases():
+        ex.set_call_memo(False)
+        launched.clear()
+        regular_result = call()
+        before = versions()
+        call()
+        regular = list(launched)[len(launched) // 2:]
+        regular_bumps = [b if a is None else b - a for a, b in zip(before, versions())]
+        ex.set_call_memo(True)
+        call()
+        call()  # the second regular call of a plan makes its entry
+        launched.clear()
+        regular_calls.clear()
+        before = versions()
+        replay_result = call()
+        replayed += not regular_calls
+        assert regular and launched == regular, name
+        assert not generic, name  # the entry's straight-line replay ran (_Replay.straight)
+        # a replay bumps the version counters of the tensors it writes, as the regular path does
+        assert [b if a is None else b - a for a, b in zip(before, versions())] == regular_bumps, name
+        flat = (lambda r: [] if r is None else [r] if isinstance(r, torch.Tensor) else list(r))
+        for a, b in zip(flat(regular_result), flat(replay_result), strict=True):
+            assert a.data_ptr() == b.data_ptr() and a.shape == b.shape, name
+        ex.set_call_memo(True)
     # linear decode and varlen check their host index data (CPU here) on every call: never replayed
     assert replayed == len(e.cases()) - 2

@@ -203,11 +203,12 @@ def set_call_memo(enabled: bool) -> None:
 
 
 _SEEN_MAX = 64
-_PAID_OFF = 8  # replays that repay making an entry (~30 us against ~4-6 us saved per replay)
+_PAID_OFF = 10  # replays that repay making an entry (~60 us against ~6 us saved per replay)
 
 
 class _MemoEntry:
-    __slots__ = ("types", "scalars", "fixed", "pick", "guard", "replay", "plan", "device", "runtime", "hits")
+    __slots__ = ("types", "scalars", "fixed", "pick", "guard", "replay", "run", "plan", "device", "runtime",
+                 "hits")
 
 
 class CallMemo:
@@ -282,7 +283,10 @@ class CallMemo:
                     if tensors[j] is not (None if i is None else tensors[i]):
                         break
                 else:
-                    env = self._replay(entry, tensors)
+                    run = entry.run
+                    env = run(tensors) if run is not None else None
+                    if env is None:
+                        env = self._replay(entry, tensors)
                     if env is not None:
                         entry.hits += 1
                         return env
@@ -317,7 +321,8 @@ class CallMemo:
         plan, device, named, runtime, checked = offers[0]
         if checked:
             return
-        # NOTE: an entry costs ~30 us to make (the guard, the replay's tables) on the
+        # NOTE: an entry costs ~60 us to make (the guard, the replay's tables and its
+        # straight-line source: 2026-11-25, with CUDA stubbed) on the
         # development CPU: a plan (cached by the layouts and options) is given one
         # only when it comes back, so calls whose layouts never repeat (prefill
         # lengths) pay ~1.5 us of recording and no entries; and after an entry was
@@ -354,6 +359,8 @@ class CallMemo:
         entry.pick = _getter(present)
         entry.guard, entry.plan, entry.device, entry.runtime = guard, plan, device, runtime
         entry.replay = _Replay(_program(plan), self.names, device, runtime) if device.type == "cuda" else None
+        entry.run = None if entry.replay is None else entry.replay.straight(
+            [j for j in self.written if tensors[j] is not None])
         entry.hits = 0
         self.entries.insert(0, entry)
         for dropped in self.entries[self.size:]:
@@ -453,6 +460,32 @@ class _Replay:
             self._launch_all(objs, index)
         return dict(zip(self.made_names, made))
 
+    def straight(self, written=()):
+        """This replay as one generated straight-line function of the call's
+        tensors (``_straight_source``), or None where it cannot be (a launch
+        not compiled for 16-byte aligned pointers, an unknown launcher).
+        The function returns the made buffers by name, or None where the call
+        needs ``__call__`` (another device current, launch hooks, a CUDA graph
+        capture, a pointer not 16-byte aligned);
+        it bumps the version counters of the tensors at ``written``."""
+        if not _FAST_PATH:
+            return None
+        entries = []
+        for launch, recipe, *_, aligned_key, _, _ in self.launches:
+            entry = recipe.compiled.get(aligned_key) if aligned_key is not None else None
+            if entry is None:
+                return None
+            entries.append(entry)
+        source, values = _straight_source(self, entries, tuple(written))
+        code = _STRAIGHT_CODE.get(source)
+        if code is None:
+            if len(_STRAIGHT_CODE) >= _STRAIGHT_MAX:
+                _STRAIGHT_CODE.clear()
+            code = _STRAIGHT_CODE[source] = compile(source, "<call memo replay>", "exec")
+        scope = {}
+        exec(code, globals(), scope)  # noqa: S102  (our own generated source)
+        return scope["make"](*values)
+
     def _scratch(self):
         """The per-stream buffers on the current stream (_stream_scratch, looked up
         once per stream); fresh ones during a CUDA graph capture (as _run_gpu)."""
@@ -487,6 +520,84 @@ class _Replay:
                     None, None, entry.meta, None, None, None, *getter(ptrs + tail))
             else:
                 entry(_raw_stream(index), getter(ptrs + tail))
+
+
+# NOTE: compiling a replay's source takes ~190 us on the development CPU (2026-11-25);
+# the source depends on the plan's structure, not on its shapes or values (those are
+# make's arguments), so the code is kept by source and a new entry of a known
+# structure pays the source's making and an exec.
+_STRAIGHT_CODE = {}
+_STRAIGHT_MAX = 256
+
+
+def _straight_source(replay, entries, written):
+    """The source of ``make(*values)``, which returns ``run(tensors)``: the
+    replay ``replay`` (whose launches run the compiled ``entries``) written out
+    for its tensors, with every fixed value (shapes, templates, launch
+    arguments, compiled launchers) a closure variable. Module functions
+    (``_data_ptr``, ``_raw_stream``, ...) are looked up at each call, so a
+    monkeypatch of the module reaches them.
+
+    NOTE: on the development CPU with CUDA stubbed (2026-11-25), the replay of a
+    block-sparse decode call took 2.7 us written out against 3.9 us by the
+    tables of ``__call__`` (its lists, itemgetters and the loop over launches:
+    a decode launch has 31 arguments)."""
+    values, names = [], {}
+
+    def value(v):
+        key = id(v)
+        if key not in names:
+            names[key] = f"v{len(values)}"
+            values.append(v)
+        return names[key]
+    n = len(replay.names)
+    made_at = {n + j: f"m{j}" for j in range(len(replay.made))}
+    first_scratch = n + len(replay.made)
+    first_constant = first_scratch + len(replay.stream_bufs)
+    body = [f"if _current_device() != {value(replay.index)} or _hooks_set():", "    return None",
+            f"stream = _raw_stream({value(replay.index)})"]
+    if replay.stream_bufs:
+        body += ["if _is_capturing():", "    return None",
+                 f"scratch = {value(replay.scratch)}.get(stream)", "if scratch is None:",
+                 f"    scratch = {value(replay)}._scratch()"]
+    for j, (_, shape, strides, dtype, zeros, template) in enumerate(replay.made):
+        body.append(f"m{j} = torch.zeros({value(shape)}, dtype={value(dtype)}, device={value(replay.device)})"
+                    if zeros else f"m{j} = _new_empty_strided({value(template)}, {value(shape)}, {value(strides)})")
+    pointers = {}  # position in the replay's order -> the variable holding its data pointer
+    launches = []
+    for (launch, recipe, pick, tail, getter, aligned_key, pick_all, rts), entry in zip(replay.launches, entries):
+        at = [replay.order.index(name) for name in recipe.ptr_names]
+        rest = [*rts, *recipe.consts]
+        args = []
+        for i in recipe.index:  # the kernel's parameters: pointer i, else runtime scalar / constant
+            if i >= len(at):
+                args.append(value(rest[i - len(at)]))
+            elif at[i] >= first_constant:
+                args.append(value(replay.constants[at[i] - first_constant].data_ptr()))
+            else:
+                pos = at[i]
+                if pos not in pointers:
+                    pointers[pos] = f"p{len(pointers)}"
+                    obj = (f"tensors[{pos}]" if pos < n else made_at.get(pos)
+                           or f"scratch[{pos - first_scratch}]")
+                    body.append(f"{pointers[pos]} = _data_ptr({obj})")
+                args.append(pointers[pos])
+        g = entry.grid
+        if entry.raw is not None:
+            head = [*map(value, (entry.raw, g[0], g[1], g[2])), "stream", value(entry.function),
+                    value(entry.coop), value(entry.pdl), "None", "None", value(entry.meta), "None", "None", "None"]
+            launches.append(f"{head[0]}({', '.join(head[1:] + args)})")
+        else:
+            launches.append(f"{value(entry)}(stream, ({', '.join(args)},))")
+    if pointers:
+        body += [f"if _gcd({', '.join(pointers.values())}) & 15:", "    return None"]
+    body += launches
+    if written:
+        body.append(f"_increment_version([{', '.join(f'tensors[{j}]' for j in written)}])")
+    body.append("return {" + ", ".join(f"{name!r}: m{j}" for j, (name, *_) in enumerate(replay.made)) + "}")
+    source = (f"def make({', '.join(f'v{i}' for i in range(len(values)))}):\n"
+              "    def run(tensors):\n" + "".join(f"        {line}\n" for line in body) + "    return run\n")
+    return source, values
 
 
 def _run_gpu(prog, tensors: dict, runtime, device) -> dict:

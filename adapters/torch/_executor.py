@@ -252,11 +252,12 @@ class CallMemo:
     ``execute`` call names them; ``written``: those it updates in place (their
     version counters are bumped on a replay, as the regular path does).
     NOTE: with the CUDA calls stubbed (benchmarks/experiments/exp_host_python.py,
-    2026-11-25, the development CPU, de9f777) a block-sparse decode call's
-    Python took 5.7-5.8 us replayed against 10.2 us on the regular path;
-    lightning prefill 6.0-6.1 against 9.2, merge N1 4.7 against 7.7, prefix
-    prefill 6.5-6.6 against 12.6. On the H200 host, torch eager / plain Triton
-    launch went from 0.58-0.95 to 0.32-0.61 (benchmarks/RESULTS.md).
+    2026-11-25, the development CPU, 7bd5f01: the replay written out,
+    ``_Replay.straight``) a block-sparse decode call's Python took 4.3-4.4 us
+    replayed against 10.2 us on the regular path; lightning prefill 4.3-4.6
+    against 9.2, merge N1 3.0-3.1 against 7.7, prefix prefill 4.2 against 12.6.
+    On the H200 host, torch eager / plain Triton launch went from 0.55-0.94 on
+    the regular path to 0.25-0.52 (benchmarks/RESULTS.md).
     """
     __slots__ = ("names", "written", "entries", "size", "seen", "skip", "last_skip")
 

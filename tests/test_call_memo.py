@@ -424,3 +424,101 @@ def test_gpu_replay_launches_what_the_regular_path_launches(monkeypatch):
         ex.set_call_memo(True)
     # linear decode and varlen check their host index data (CPU here) on every call: never replayed
     assert replayed == len(e.cases()) - 2
+
+
+# ------------------------------------------------------------------ the straight-line replay's fallbacks
+def test_unaligned_views_of_a_replayed_layout(monkeypatch, regular_path_calls):
+    """Views with a recorded layout but pointers off the 16-byte grid (a storage
+    offset of one element) are replayed too: on the GPU the straight-line replay
+    (_Replay.straight), whose kernels were compiled for aligned pointers, hands
+    the call to the table-driven one, which launches the kernel Triton compiles
+    for those pointers; the next aligned call is straight-line again."""
+    tables = []
+    orig = ex._Replay.__call__
+    monkeypatch.setattr(ex._Replay, "__call__", lambda self, tensors: tables.append(1) or orig(self, tensors))
+
+    def unaligned(x):  # the same sizes and strides, one element further on
+        flat = torch.full((x.numel() + 1,), float("nan"), device=DEVICE)
+        view = flat[1:].view(x.shape)
+        view.copy_(x)
+        assert view.stride() == x.stride() and view.data_ptr() % 16
+        return view
+    for seed in (40, 41, 42):  # the entry, then a replay
+        po, pl, so, sl = merge_inputs(seed)
+        out = poisoned(po.shape)
+        at.merge_attn_states(out, po, pl, so, sl)
+    assert len(regular_path_calls) == 2 and not tables
+    # (seed, unaligned, table-driven replays so far on the GPU)
+    for seed, shift, expected in ((43, True, 1), (44, False, 1), (45, True, 2)):
+        po, pl, so, sl = merge_inputs(seed)
+        out = poisoned(po.shape)
+        if shift:
+            po, so, out = unaligned(po), unaligned(so), unaligned(out)
+        at.merge_attn_states(out, po, pl, so, sl)
+        torch.testing.assert_close(out.cpu().double(), merge_reference(po, pl, so, sl)[0], atol=TOL, rtol=TOL)
+        if DEVICE == "cuda":
+            assert len(tables) == expected, seed
+    assert len(regular_path_calls) == 2  # every call after the second replayed
+
+
+def test_unaligned_views_on_stubs_launch_what_the_regular_path_launches(monkeypatch):
+    """The same fallback with CUDA stubbed (so that CI runs it): the table-driven
+    replay of unaligned views hands the launcher the regular path's arguments."""
+    from benchmarks.experiments import exp_host_python as e
+    launched = []
+    e.stub_gpu(monkeypatch.setattr, launched)
+    monkeypatch.setattr(ex, "_PLANS", {})
+    monkeypatch.setattr(ex, "_PROGRAMS", {})
+    tables = []
+    orig = ex._Replay.__call__
+    monkeypatch.setattr(ex._Replay, "__call__", lambda self, tensors: tables.append(1) or orig(self, tensors))
+    po, pl, so, sl = (x.cpu() for x in merge_inputs(60))
+    out = torch.empty_like(po)
+    for _ in range(3):
+        at.merge_attn_states(out, po, pl, so, sl)
+    assert len(_ops_merge._MEMO.entries) == 1 and not tables
+    flat = torch.empty(2 * po.numel() + 1)
+    po1, out1 = flat[1:po.numel() + 1].view(po.shape), flat[po.numel() + 1:].view(po.shape)
+    assert po1.data_ptr() % 16 and out1.data_ptr() % 16
+    launched.clear()
+    at.merge_attn_states(out1, po1, pl, so, sl)
+    replayed = list(launched)
+    assert tables == [1]
+    ex.set_call_memo(False)
+    launched.clear()
+    at.merge_attn_states(out1, po1, pl, so, sl)
+    assert replayed == launched and po1.data_ptr() in launched[0] and out1.data_ptr() in launched[0]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
+def test_cuda_graph_capture_of_replayed_calls():
+    """A replayed call captured in a CUDA graph: block-sparse decode (per-stream
+    scratch, which a capture allocates afresh: the table-driven replay) and merge
+    (no scratch: the straight-line replay runs under the capture). The graphs
+    replay on new data, against the references; eager replays before and after
+    share nothing with the capture."""
+    for seed in (50, 51, 52):  # the entries, then replays
+        out, ref, (t, cu_q, crow, col) = bs_call(seed)
+        np.testing.assert_allclose(torch_to_numpy(out), ref, atol=TOL, rtol=TOL)
+        po, pl, so, sl = merge_inputs(seed)
+        m_out = poisoned(po.shape)
+        at.merge_attn_states(m_out, po, pl, so, sl)
+    assert _ops_blocksparse._MEMO.entries[0].replay.stream_bufs  # the split decode's scratch
+    q, k, v, cu_k = t
+    eager = at.blocksparse_flash_attn_varlen_fwd(q, k, v, cu_k, None, None, (crow, col), block_size=16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = at.blocksparse_flash_attn_varlen_fwd(q, k, v, cu_k, None, None, (crow, col), block_size=16)
+        at.merge_attn_states(m_out, po, pl, so, sl)
+    new_out, new_ref, (new_t, _, _, _) = bs_call(53)  # an eager replay on other data after the capture
+    new_po, new_pl, new_so, new_sl = merge_inputs(53)
+    for static, fresh in zip((q, k, v, cu_k, po, pl, so, sl), (*new_t, new_po, new_pl, new_so, new_sl)):
+        static.copy_(fresh)
+    captured.fill_(float("nan"))
+    m_out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    np.testing.assert_allclose(torch_to_numpy(captured), new_ref, atol=TOL, rtol=TOL)
+    assert_bitwise_equal(torch_to_numpy(captured), torch_to_numpy(new_out), "graph vs eager replay")
+    torch.testing.assert_close(m_out.cpu().double(), merge_reference(po, pl, so, sl)[0], atol=TOL, rtol=TOL)
+    np.testing.assert_allclose(torch_to_numpy(eager), ref, atol=TOL, rtol=TOL)

@@ -472,7 +472,7 @@ class _Replay:
         if not _FAST_PATH:
             return None
         entries = []
-        for launch, recipe, *_, aligned_key, _, _ in self.launches:
+        for _, recipe, *_, aligned_key, _, _ in self.launches:
             entry = recipe.compiled.get(aligned_key) if aligned_key is not None else None
             if entry is None:
                 return None
@@ -566,7 +566,7 @@ def _straight_source(replay, entries, written):
                     if zeros else f"m{j} = _new_empty_strided({value(template)}, {value(shape)}, {value(strides)})")
     pointers = {}  # position in the replay's order -> the variable holding its data pointer
     launches = []
-    for (launch, recipe, pick, tail, getter, aligned_key, pick_all, rts), entry in zip(replay.launches, entries):
+    for (_, recipe, *_, rts), entry in zip(replay.launches, entries):
         at = [replay.order.index(name) for name in recipe.ptr_names]
         rest = [*rts, *recipe.consts]
         args = []

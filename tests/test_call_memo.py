@@ -45,6 +45,20 @@ def regular_path_calls(monkeypatch):
     return calls
 
 
+def gpu_fallbacks(monkeypatch):
+    """A list that gets an item for each replay of a GPU entry through _run_gpu
+    (CallMemo._replay: where the entry's straight-line run declined the call)."""
+    calls = []
+    orig = ex.CallMemo._replay
+
+    def counted(self, entry, tensors):
+        if entry.prog is not None:
+            calls.append(1)
+        return orig(self, entry, tensors)
+    monkeypatch.setattr(ex.CallMemo, "_replay", counted)
+    return calls
+
+
 def gen(seed):
     return torch.Generator().manual_seed(int(seed))
 
@@ -362,7 +376,7 @@ def test_host_checked_calls_are_never_replayed():
 
 # ------------------------------------------------------------------ the GPU replay, on stubs
 def test_gpu_replay_launches_what_the_regular_path_launches(monkeypatch):
-    """_Replay (a memo entry's GPU run) on the executor with its CUDA touch points
+    """A memo entry's GPU run (_straight) on the executor with its CUDA touch points
     stubbed (benchmarks/experiments/exp_host_python.py): for each op's decode-size
     call, the replayed call hands the kernel launcher exactly the arguments the
     regular path hands it (pointers included: allocations come from a fixed pool
@@ -391,9 +405,7 @@ def test_gpu_replay_launches_what_the_regular_path_launches(monkeypatch):
     monkeypatch.setattr(ex.CallMemo, "lookup", lambda self, tensors, *a: arguments.append(tensors)
                         or orig_lookup(self, tensors, *a))
 
-    generic = []  # calls of the table-driven replay (the straight-line one falls back to it)
-    orig_replay = ex._Replay.__call__
-    monkeypatch.setattr(ex._Replay, "__call__", lambda self, tensors: generic.append(1) or orig_replay(self, tensors))
+    generic = gpu_fallbacks(monkeypatch)
 
     def versions():  # the version counters of the last call's tensors (None: absent)
         return [None if t is None else t._version for t in arguments[-1]]
@@ -415,7 +427,7 @@ def test_gpu_replay_launches_what_the_regular_path_launches(monkeypatch):
         replay_result = call()
         replayed += not regular_calls
         assert regular and launched == regular, name
-        assert not generic, name  # the entry's straight-line replay ran (_Replay.straight)
+        assert not generic, name  # the entry's straight-line replay ran (_straight)
         # a replay bumps the version counters of the tensors it writes, as the regular path does
         assert [b if a is None else b - a for a, b in zip(before, versions())] == regular_bumps, name
         flat = (lambda r: [] if r is None else [r] if isinstance(r, torch.Tensor) else list(r))
@@ -430,12 +442,10 @@ def test_gpu_replay_launches_what_the_regular_path_launches(monkeypatch):
 def test_unaligned_views_of_a_replayed_layout(monkeypatch, regular_path_calls):
     """Views with a recorded layout but pointers off the 16-byte grid (a storage
     offset of one element) are replayed too: on the GPU the straight-line replay
-    (_Replay.straight), whose kernels were compiled for aligned pointers, hands
-    the call to the table-driven one, which launches the kernel Triton compiles
+    (_straight), whose kernels were compiled for aligned pointers, hands
+    the call to _run_gpu (the regular path's run), which launches the kernel Triton compiles
     for those pointers; the next aligned call is straight-line again."""
-    tables = []
-    orig = ex._Replay.__call__
-    monkeypatch.setattr(ex._Replay, "__call__", lambda self, tensors: tables.append(1) or orig(self, tensors))
+    tables = gpu_fallbacks(monkeypatch)
 
     def unaligned(x):  # the same sizes and strides, one element further on
         flat = torch.full((x.numel() + 1,), float("nan"), device=DEVICE)
@@ -448,7 +458,7 @@ def test_unaligned_views_of_a_replayed_layout(monkeypatch, regular_path_calls):
         out = poisoned(po.shape)
         at.merge_attn_states(out, po, pl, so, sl)
     assert len(regular_path_calls) == 2 and not tables
-    # (seed, unaligned, table-driven replays so far on the GPU)
+    # (seed, unaligned, replays through _run_gpu so far on the GPU)
     for seed, shift, expected in ((43, True, 1), (44, False, 1), (45, True, 2)):
         po, pl, so, sl = merge_inputs(seed)
         out = poisoned(po.shape)
@@ -462,16 +472,14 @@ def test_unaligned_views_of_a_replayed_layout(monkeypatch, regular_path_calls):
 
 
 def test_unaligned_views_on_stubs_launch_what_the_regular_path_launches(monkeypatch):
-    """The same fallback with CUDA stubbed (so that CI runs it): the table-driven
+    """The same fallback with CUDA stubbed (so that CI runs it): the _run_gpu
     replay of unaligned views hands the launcher the regular path's arguments."""
     from benchmarks.experiments import exp_host_python as e
     launched = []
     e.stub_gpu(monkeypatch.setattr, launched)
     monkeypatch.setattr(ex, "_PLANS", {})
     monkeypatch.setattr(ex, "_PROGRAMS", {})
-    tables = []
-    orig = ex._Replay.__call__
-    monkeypatch.setattr(ex._Replay, "__call__", lambda self, tensors: tables.append(1) or orig(self, tensors))
+    tables = gpu_fallbacks(monkeypatch)
     po, pl, so, sl = (x.cpu() for x in merge_inputs(60))
     out = torch.empty_like(po)
     for _ in range(3):
@@ -493,7 +501,7 @@ def test_unaligned_views_on_stubs_launch_what_the_regular_path_launches(monkeypa
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs")
 def test_cuda_graph_capture_of_replayed_calls():
     """A replayed call captured in a CUDA graph: block-sparse decode (per-stream
-    scratch, which a capture allocates afresh: the table-driven replay) and merge
+    scratch, which a capture allocates afresh: the replay through _run_gpu) and merge
     (no scratch: the straight-line replay runs under the capture). The graphs
     replay on new data, against the references; eager replays before and after
     share nothing with the capture."""
@@ -503,7 +511,7 @@ def test_cuda_graph_capture_of_replayed_calls():
         po, pl, so, sl = merge_inputs(seed)
         m_out = poisoned(po.shape)
         at.merge_attn_states(m_out, po, pl, so, sl)
-    assert _ops_blocksparse._MEMO.entries[0].replay.stream_bufs  # the split decode's scratch
+    assert any(a[4] is ex._PER_STREAM for a in _ops_blocksparse._MEMO.entries[0].prog.allocs)  # split scratch
     q, k, v, cu_k = t
     eager = at.blocksparse_flash_attn_varlen_fwd(q, k, v, cu_k, None, None, (crow, col), block_size=16)
     graph = torch.cuda.CUDAGraph()

@@ -207,8 +207,7 @@ _PAID_OFF = 10  # replays that repay making an entry (~60 us against ~6 us saved
 
 
 class _MemoEntry:
-    __slots__ = ("types", "scalars", "fixed", "pick", "guard", "replay", "run", "plan", "device", "runtime",
-                 "hits")
+    __slots__ = ("types", "scalars", "fixed", "pick", "guard", "run", "prog", "plan", "device", "runtime", "hits")
 
 
 class CallMemo:
@@ -236,7 +235,9 @@ class CallMemo:
     new every time costs ~2 us more than with the memo off (the lookup's
     failed checks, the recording), 13 vs 11 us for a block-sparse prefill.
 
-    The op's function::
+    The op's function (try / except rather than ``with MEMO``: torch.compile's
+    Dynamo refuses a context manager made outside the compiled function,
+    ``Unsupported context manager``, so fullgraph compiles would break)::
 
         env = MEMO.lookup(tensors, scalars, validate_indices)
         if env is not None:
@@ -253,7 +254,7 @@ class CallMemo:
     version counters are bumped on a replay, as the regular path does).
     NOTE: with the CUDA calls stubbed (benchmarks/experiments/exp_host_python.py,
     2026-11-25, the development CPU, 7bd5f01: the replay written out,
-    ``_Replay.straight``) a block-sparse decode call's Python took 4.3-4.4 us
+    ``_straight``) a block-sparse decode call's Python took 4.3-4.4 us
     replayed against 10.2 us on the regular path; lightning prefill 4.3-4.6
     against 9.2, merge N1 3.0-3.1 against 7.7, prefix prefill 4.2 against 12.6.
     On the H200 host, torch eager / plain Triton launch went from 0.55-0.94 on
@@ -296,8 +297,10 @@ class CallMemo:
         return None
 
     def _replay(self, entry, tensors):
-        if entry.replay is not None:
-            env = entry.replay(tensors)
+        """The entry's plan run on the call's tensors as the regular path runs it
+        (where the entry has no straight-line run, or that run declined the call)."""
+        if entry.prog is not None:
+            env = _run_gpu(entry.prog, dict(zip(self.names, tensors)), entry.runtime, entry.device)
         elif torch.cuda.is_available() and not interpret_requested():
             return None  # the regular path's error (check_devices)
         else:
@@ -359,9 +362,9 @@ class CallMemo:
         entry.fixed = tuple(fixed)
         entry.pick = _getter(present)
         entry.guard, entry.plan, entry.device, entry.runtime = guard, plan, device, runtime
-        entry.replay = _Replay(_program(plan), self.names, device, runtime) if device.type == "cuda" else None
-        entry.run = None if entry.replay is None else entry.replay.straight(
-            [j for j in self.written if tensors[j] is not None])
+        entry.prog = _program(plan) if device.type == "cuda" else None
+        entry.run = None if entry.prog is None else _straight(
+            entry.prog, self.names, device, runtime, [j for j in self.written if tensors[j] is not None])
         entry.hits = 0
         self.entries.insert(0, entry)
         for dropped in self.entries[self.size:]:
@@ -391,138 +394,6 @@ def _getter(index):
 # torch.empty_strided(..., dtype=, device=) on the development CPU, 2026-11-25.
 _new_empty_strided = torch.Tensor.new_empty_strided
 
-
-class _Replay:
-    """A memo entry's GPU run (what ``_run_gpu`` does for its program), worked
-    out for the op's tensor order: the buffers to make (placeholders resolved
-    once), then per launch the positions of its pointer arguments among the
-    call's tensors and buffers, and the rest of its arguments (the recorded
-    runtime scalars, the plan's constants). Returns the buffers made for the
-    call (outputs), by name. A launch whose compiled kernel is not cached for
-    this alignment, or with launch hooks set, takes ``_launch`` (Triton's
-    regular path)."""
-    __slots__ = ("names", "device", "index", "runtime", "made", "made_names", "stream_bufs",
-                 "constants", "order", "launches", "scratch")
-
-    def __init__(self, prog, names, device, runtime):
-        self.names, self.device, self.runtime = names, device, runtime
-        self.index = device.index if device.index is not None else torch.cuda.current_device()
-        made, stream_bufs, constants = [], [], []
-        for name, shape, strides, dtype, mode, buf in prog.allocs:
-            if name in names:
-                raise ValueError(f"{name}: a buffer named as an argument")
-            if mode is _PER_STREAM:
-                stream_bufs.append((name, shape, strides, dtype, buf))
-            elif mode is _PLACEHOLDER:
-                constants.append((name, _placeholder(device, buf.dtype)))
-            else:
-                template = _empty_strided((0,), (1,), dtype=dtype, device=device)
-                made.append((name, shape, strides, dtype, mode is _ZEROS, template))
-        self.made, self.stream_bufs = tuple(made), tuple(stream_bufs)
-        self.made_names = tuple(m[0] for m in made)
-        self.constants = tuple(c[1] for c in constants)
-        # objs = tensors, made buffers, per-stream buffers, placeholders
-        self.order = names + self.made_names + tuple(b[0] for b in stream_bufs) + tuple(c[0] for c in constants)
-        pos = {n: i for i, n in enumerate(self.order)}
-        first_constant = len(self.order) - len(self.constants)
-        launches = []
-        for launch, recipe in prog.launches:
-            at = [pos[n] for n in recipe.ptr_names]
-            # the placeholders' pointers are fixed: worked out here, with the runtime
-            # scalars (fixed for the entry) and the constants; so is the launch's
-            # key when the call's own pointers are 16-byte aligned
-            var = [i for i, p in enumerate(at) if p < first_constant]
-            fixed = [i for i, p in enumerate(at) if p >= first_constant]
-            fixed_ptrs = [self.constants[at[i] - first_constant].data_ptr() for i in fixed]
-            remap = {j: k for k, j in enumerate(var + fixed)}
-            getter = _getter([remap[i] if i < len(at) else i for i in recipe.index]) if recipe.index else None
-            rts = [runtime[n] for n in recipe.rt_names]
-            aligned_key = _spec(self.index, fixed_ptrs, rts) if not (_gcd(*fixed_ptrs) & 15) else None
-            launches.append((launch, recipe, _getter([at[i] for i in var]), fixed_ptrs + rts + recipe.consts,
-                             getter, aligned_key, _getter(at), rts))
-        self.launches = tuple(launches)
-        self.scratch = {}  # raw stream -> the per-stream buffers, in order
-
-    def __call__(self, tensors):
-        device = self.device
-        made = [_new_empty_strided(template, shape, strides) if not zeros
-                else torch.zeros(shape, dtype=dtype, device=device)
-                for _, shape, strides, dtype, zeros, template in self.made]
-        objs = [*tensors, *made]
-        if self.stream_bufs:
-            objs += self._scratch()
-        if self.constants:
-            objs += self.constants
-        index = self.index
-        if index != _current_device():
-            with torch.cuda.device(device):
-                self._launch_all(objs, index)
-        else:
-            self._launch_all(objs, index)
-        return dict(zip(self.made_names, made))
-
-    def straight(self, written=()):
-        """This replay as one generated straight-line function of the call's
-        tensors (``_straight_source``), or None where it cannot be (a launch
-        not compiled for 16-byte aligned pointers, an unknown launcher). The
-        function returns the made buffers by name, or None where the call needs
-        ``__call__`` (another device current, launch hooks, a CUDA graph capture
-        of a plan with per-stream scratch, a pointer not 16-byte aligned); it
-        bumps the version counters of the tensors at ``written``."""
-        if not _FAST_PATH:
-            return None
-        entries = []
-        for _, recipe, *_, aligned_key, _, _ in self.launches:
-            entry = recipe.compiled.get(aligned_key) if aligned_key is not None else None
-            if entry is None:
-                return None
-            entries.append(entry)
-        source, values = _straight_source(self, entries, tuple(written))
-        code = _STRAIGHT_CODE.get(source)
-        if code is None:
-            if len(_STRAIGHT_CODE) >= _STRAIGHT_MAX:
-                _STRAIGHT_CODE.clear()
-            code = _STRAIGHT_CODE[source] = compile(source, "<call memo replay>", "exec")
-        scope = {}
-        exec(code, globals(), scope)  # noqa: S102  (our own generated source)
-        return scope["make"](*values)
-
-    def _scratch(self):
-        """The per-stream buffers on the current stream (_stream_scratch, looked up
-        once per stream); fresh ones during a CUDA graph capture (as _run_gpu)."""
-        if _is_capturing():
-            return [torch.zeros(shape, dtype=dtype, device=self.device) if buf.zero_init
-                    else _empty_strided(shape, strides, dtype=dtype, device=self.device)
-                    for _, shape, strides, dtype, buf in self.stream_bufs]
-        stream = _raw_stream(self.index)
-        views = self.scratch.get(stream)
-        if views is None:
-            if len(self.scratch) >= _VIEWS_MAX:
-                self.scratch.clear()
-            views = self.scratch[stream] = [_stream_scratch(self.device, name, buf)
-                                            for name, _, _, _, buf in self.stream_bufs]
-        return views
-
-    def _launch_all(self, objs, index):
-        hooks = _hooks_set()
-        for launch, recipe, pick, tail, getter, aligned_key, pick_all, rts in self.launches:
-            ptrs = list(map(_data_ptr, pick(objs)))
-            if aligned_key is not None and not (_gcd(*ptrs) & 15):
-                key = aligned_key
-            else:
-                key = _spec(index, list(map(_data_ptr, pick_all(objs))), rts)
-            entry = recipe.compiled.get(key) if _FAST_PATH else None
-            if entry is None or hooks or getter is None:
-                _launch(launch, recipe, dict(zip(self.order, objs)), self.runtime, index)
-                continue
-            g, raw = entry.grid, entry.raw
-            if raw is not None:
-                raw(g[0], g[1], g[2], _raw_stream(index), entry.function, entry.coop, entry.pdl,
-                    None, None, entry.meta, None, None, None, *getter(ptrs + tail))
-            else:
-                entry(_raw_stream(index), getter(ptrs + tail))
-
-
 # NOTE: compiling a replay's source takes ~190 us on the development CPU (2026-11-25);
 # the source depends on the plan's structure, not on its shapes or values (those are
 # make's arguments), so the code is kept by source and a new entry of a known
@@ -531,63 +402,108 @@ _STRAIGHT_CODE = {}
 _STRAIGHT_MAX = 256
 
 
-def _straight_source(replay, entries, written):
-    """The source of ``make(*values)``, which returns ``run(tensors)``: the
-    replay ``replay`` (whose launches run the compiled ``entries``) written out
-    for its tensors, with every fixed value (shapes, templates, launch
-    arguments, compiled launchers) a closure variable. Module functions
-    (``_data_ptr``, ``_raw_stream``, ...) are looked up at each call, so a
-    monkeypatch of the module reaches them.
+def _straight(prog, names, device, runtime, written=()):
+    """A memo entry's GPU run (what ``_run_gpu`` does for ``prog``) as one
+    generated straight-line function of the call's tensors, in the op's order
+    ``names`` (``_straight_source``); None where it cannot be (a launch not
+    compiled for 16-byte aligned pointers, an unknown launcher). The function
+    returns the buffers it made by name, or None where the call needs
+    ``_run_gpu`` (another device current, launch hooks, a CUDA graph capture of
+    a plan with per-stream scratch, a pointer not 16-byte aligned); it bumps the
+    version counters of the tensors at positions ``written``."""
+    if not _FAST_PATH:
+        return None
+    made = _straight_source(prog, names, device, runtime, tuple(written))
+    if made is None:
+        return None
+    source, values = made
+    code = _STRAIGHT_CODE.get(source)
+    if code is None:
+        if len(_STRAIGHT_CODE) >= _STRAIGHT_MAX:
+            _STRAIGHT_CODE.clear()
+        code = _STRAIGHT_CODE[source] = compile(source, "<call memo replay>", "exec")
+    scope = {}
+    exec(code, globals(), scope)  # noqa: S102  (our own generated source)
+    return scope["make"](*values)
+
+
+def _scratch_views(views, device, bufs, stream):
+    """The per-stream buffers ``bufs`` ((name, Buffer)) on ``stream`` (_stream_scratch),
+    kept in ``views`` by stream: a straight-line replay looks them up once per stream."""
+    if len(views) >= _VIEWS_MAX:
+        views.clear()
+    found = views[stream] = [_stream_scratch(device, name, buf) for name, buf in bufs]
+    return found
+
+
+def _straight_source(prog, names, device, runtime, written):
+    """The source of ``make(*values)``, which returns ``run(tensors)``: ``prog``
+    run on the tensors ``names`` written out, with every fixed value (shapes,
+    templates, placeholder pointers, launch arguments, compiled launchers) a
+    closure variable; None where a launch has no compiled kernel for aligned
+    pointers. Module functions (``_data_ptr``, ``_raw_stream``, ...) are looked
+    up at each call, so a monkeypatch of the module reaches them.
 
     NOTE: on the development CPU with CUDA stubbed (2026-11-25), the replay of a
     block-sparse decode call took 2.4-2.5 us written out against 3.8-3.9 us by
-    the tables of ``__call__`` (its lists, itemgetters and the loop over
-    launches: the decode launch has 31 arguments)."""
-    values, names = [], {}
+    tables of positions and itemgetters (the decode launch has 31 arguments)."""
+    values, value_names = [], {}
 
     def value(v):
         key = id(v)
-        if key not in names:
-            names[key] = f"v{len(values)}"
+        if key not in value_names:
+            value_names[key] = f"v{len(values)}"
             values.append(v)
-        return names[key]
-    n = len(replay.names)
-    made_at = {n + j: f"m{j}" for j in range(len(replay.made))}
-    first_scratch = n + len(replay.made)
-    first_constant = first_scratch + len(replay.stream_bufs)
-    body = [f"if _current_device() != {value(replay.index)} or _hooks_set():", "    return None",
-            f"stream = _raw_stream({value(replay.index)})"]
-    if replay.stream_bufs:
-        body += ["if _is_capturing():", "    return None",
-                 f"scratch = {value(replay.scratch)}.get(stream)", "if scratch is None:",
-                 f"    scratch = {value(replay)}._scratch()"]
-    for j, (_, shape, strides, dtype, zeros, template) in enumerate(replay.made):
-        body.append(f"m{j} = torch.zeros({value(shape)}, dtype={value(dtype)}, device={value(replay.device)})"
-                    if zeros else f"m{j} = _new_empty_strided({value(template)}, {value(shape)}, {value(strides)})")
-    pointers = {}  # position in the replay's order -> the variable holding its data pointer
-    launches = []
-    for (_, recipe, *_, rts), entry in zip(replay.launches, entries):
-        at = [replay.order.index(name) for name in recipe.ptr_names]
-        rest = [*rts, *recipe.consts]
-        args = []
-        for i in recipe.index:  # the kernel's parameters: pointer i, else runtime scalar / constant
-            if i >= len(at):
-                args.append(value(rest[i - len(at)]))
-            elif at[i] >= first_constant:
-                args.append(value(replay.constants[at[i] - first_constant].data_ptr()))
-            else:
-                pos = at[i]
-                if pos not in pointers:
-                    pointers[pos] = f"p{len(pointers)}"
-                    obj = (f"tensors[{pos}]" if pos < n else made_at.get(pos)
-                           or f"scratch[{pos - first_scratch}]")
-                    body.append(f"{pointers[pos]} = _data_ptr({obj})")
-                args.append(pointers[pos])
+        return value_names[key]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    where = {name: f"tensors[{i}]" for i, name in enumerate(names)}  # each object's expression
+    fixed = {}  # placeholders: name -> data pointer
+    made, stream_bufs, allocs = [], [], []
+    for name, shape, strides, dtype, mode, buf in prog.allocs:
+        if name in where:
+            raise ValueError(f"{name}: a buffer named as an argument")
+        if mode is _PER_STREAM:
+            where[name] = f"scratch[{len(stream_bufs)}]"
+            stream_bufs.append((name, buf))
+        elif mode is _PLACEHOLDER:
+            fixed[name] = _placeholder(device, buf.dtype).data_ptr()
+        else:
+            where[name] = var = f"m{len(made)}"
+            made.append((name, var))
+            allocs.append(f"{var} = torch.zeros({value(shape)}, dtype={value(dtype)}, device={value(device)})"
+                          if mode is _ZEROS else
+                          f"{var} = _new_empty_strided({value(_empty_strided((0,), (1,), dtype=dtype, device=device))}, "
+                          f"{value(shape)}, {value(strides)})")
+    body = [f"if _current_device() != {value(index)} or _hooks_set():", "    return None",
+            f"stream = _raw_stream({value(index)})"]
+    if stream_bufs:
+        views = value({})
+        body += ["if _is_capturing():", "    return None", f"scratch = {views}.get(stream)", "if scratch is None:",
+                 f"    scratch = _scratch_views({views}, {value(device)}, {value(tuple(stream_bufs))}, stream)"]
+    body += allocs
+    pointers, launches = {}, []  # pointers: name -> the variable holding its data pointer
+    for _, recipe in prog.launches:
+        rts = [runtime[n] for n in recipe.rt_names]
+        fixed_ptrs = [fixed[n] for n in recipe.ptr_names if n in fixed]
+        entry = None if _gcd(*fixed_ptrs) & 15 else recipe.compiled.get(_spec(index, fixed_ptrs, rts))
+        if entry is None:
+            return None
+        ptrs = []
+        for n in recipe.ptr_names:
+            if n in fixed:
+                ptrs.append(value(fixed[n]))
+                continue
+            if n not in pointers:
+                pointers[n] = f"p{len(pointers)}"
+                body.append(f"{pointers[n]} = _data_ptr({where[n]})")
+            ptrs.append(pointers[n])
+        rest = [*ptrs, *map(value, rts), *map(value, recipe.consts)]
+        args = [rest[i] for i in recipe.index]  # the kernel's parameters in order
         g = entry.grid
         if entry.raw is not None:
-            head = [*map(value, (entry.raw, g[0], g[1], g[2])), "stream", value(entry.function),
-                    value(entry.coop), value(entry.pdl), "None", "None", value(entry.meta), "None", "None", "None"]
-            launches.append(f"{head[0]}({', '.join(head[1:] + args)})")
+            head = [*map(value, (g[0], g[1], g[2])), "stream", value(entry.function), value(entry.coop),
+                    value(entry.pdl), "None", "None", value(entry.meta), "None", "None", "None"]
+            launches.append(f"{value(entry.raw)}({', '.join(head + args)})")
         else:
             launches.append(f"{value(entry)}(stream, ({', '.join(args)},))")
     if pointers:
@@ -595,7 +511,7 @@ def _straight_source(replay, entries, written):
     body += launches
     if written:
         body.append(f"_increment_version([{', '.join(f'tensors[{j}]' for j in written)}])")
-    body.append("return {" + ", ".join(f"{name!r}: m{j}" for j, (name, *_) in enumerate(replay.made)) + "}")
+    body.append("return {" + ", ".join(f"{name!r}: {var}" for name, var in made) + "}")
     source = (f"def make({', '.join(f'v{i}' for i in range(len(values)))}):\n"
               "    def run(tensors):\n" + "".join(f"        {line}\n" for line in body) + "    return run\n")
     return source, values

@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -26,3 +28,26 @@ if _hyp_settings is not None:
     _hyp_settings.register_profile("ci", max_examples=16, **_common)
     _hyp_settings.register_profile("gpu", max_examples=50, **_common)
     _hyp_settings.load_profile(os.environ.get("TANDEM_HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def _seeded_inputs(request):
+    """Every test's random inputs (harness.rng(), torch's global generator) derive
+    from its id and TANDEM_TEST_SEED: the same inputs on every run of that test."""
+    import harness
+    import torch
+    seed = harness.seed_for(request.node.nodeid)
+    harness.start_test(seed)
+    torch.manual_seed(seed)
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.failed and call.when == "call":
+        import harness
+        rep.sections.append(("random inputs", (
+            f"seed {harness.seed_for(item.nodeid)} (TANDEM_TEST_SEED={harness.base_seed()}): "
+            f"rerun with TANDEM_TEST_SEED={harness.base_seed()} bash scripts/test.sh '{item.nodeid}'")))

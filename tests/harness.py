@@ -9,6 +9,9 @@ float64 reference, and parity tests feed the same inputs to both subclasses.
 """
 from __future__ import annotations
 
+import os
+import zlib
+
 import numpy as np
 import pytest
 import torch
@@ -16,8 +19,9 @@ import torch
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
 ADAPTERS = ["torch", "jax"]
-# The interpreter's bf16 arithmetic is broken (see shared/gpu.md): bf16 runs on GPU only.
-FLOAT_DTYPES = ["float32", "float16"] + (["bfloat16"] if GPU else [])
+# bf16 runs on the CPU too: core_kernels._interpreter_bf16 makes the interpreter's
+# bf16 dots and fp32 -> bf16 roundings those of the GPU (Triton 3.6's own give garbage).
+FLOAT_DTYPES = ["float32", "float16", "bfloat16"]
 requires_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -28,8 +32,47 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 TOL = {"float32": (2e-5, 2e-5), "float16": (2e-3, 2e-3), "bfloat16": (1.6e-2, 1.6e-2)}
 
 
+# Reproducible inputs: rng() without a seed draws from a stream derived from the
+# running test's id (tests/conftest.py calls start_test) and TANDEM_TEST_SEED
+# (default 0), so a failure replays by rerunning the same test id, and another
+# TANDEM_TEST_SEED draws a fresh set of inputs for every test. A failing test's
+# report names both (conftest.py).
+_stream = {"seed": 0, "draws": 0}
+
+
+def base_seed() -> int:
+    return int(os.environ.get("TANDEM_TEST_SEED", "0"))
+
+
+def seed_for(test_id: str) -> int:
+    """The seed of a test's random inputs: its id and TANDEM_TEST_SEED, hashed."""
+    return zlib.crc32(f"{base_seed()}:{test_id}".encode())
+
+
+def start_test(seed: int) -> None:
+    _stream["seed"], _stream["draws"] = seed, 0
+
+
 def rng(seed=None):
-    return np.random.default_rng(seed)
+    """A numpy Generator: ``seed`` as given, else the running test's next stream."""
+    if seed is not None:
+        return np.random.default_rng(seed)
+    _stream["draws"] += 1
+    return np.random.default_rng([_stream["seed"], _stream["draws"]])
+
+
+def decay_rates(g, h, zero_head=True):
+    """Per-head lightning decay rates that check long-range carries: head 0 a
+    small non-zero rate in [0.01, 0.05] (its state lives for ~20-100 tokens, so a
+    wrong exponent in a hand-off between segments or blocks shows), the others
+    log-uniform in [1e-3, 1]; with ``zero_head`` and h >= 3 the last head has
+    rate 0 (no decay: the state sums every token). A rate of exactly 0 alone
+    would hide exponent bugs (its factor is 1 whatever the exponent)."""
+    s = np.exp(g.uniform(np.log(1e-3), 0.0, h))
+    s[0] = g.uniform(0.01, 0.05)
+    if zero_head and h >= 3:
+        s[-1] = 0.0
+    return s.astype(np.float32)
 
 
 def np_dtype(name):
@@ -100,6 +143,35 @@ def assert_close(actual, expected, dtype: str, what: str = "", scale: float = 1.
         worst = np.argmax(err - bound)
         assert np.all(err <= bound), \
             f"{what}: max error {err.max():.3g} exceeds tolerance (worst: got {a[fin][worst]}, want {e[fin][worst]})"
+
+
+def fp8_ordinal(bits: np.ndarray) -> np.ndarray:
+    """A monotone integer index of fp8 values (sign-magnitude bits -> ordered ints)."""
+    b = np.asarray(bits).view(np.uint8).astype(np.int32)
+    return np.where(b & 0x80, -(b & 0x7F), b & 0x7F)
+
+
+def assert_within_one_fp8_step(out8, exact, what="", atol=0.0):
+    """Each fp8 output is ``exact`` (float64, already divided by the output scale)
+    clamped and rounded to the format, or a neighbouring code: the kernel's fp32
+    value may sit across a rounding boundary from the exact one. In the normal
+    range one step is 1/8 (e4m3) of the value, in the subnormal range a fixed
+    quantum (2^-9 for e4m3). ``atol``: an error bound of the caller's inputs
+    (magnified by 1/scale) that an element may use instead."""
+    out8 = np.asarray(out8)
+    fmt = out8.dtype.name
+    lim = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}[fmt]
+    e = np.clip(np.asarray(exact, np.float64), -lim, lim)
+    want = e.astype(np.float32).astype(np_dtype(fmt))
+    steps = np.abs(fp8_ordinal(out8) - fp8_ordinal(want))
+    ok = (steps <= 1) | (np.abs(out8.astype(np.float64) - e) <= atol)
+    nan = np.isnan(e)
+    ok = np.where(nan, np.isnan(out8.astype(np.float32)), ok)
+    if not ok.all():
+        i = np.argwhere(~ok)[0]
+        raise AssertionError(f"{what}: {int((~ok).sum())} fp8 outputs more than one step from the rounded "
+                             f"reference (first at {i.tolist()}: got {out8[tuple(i)]}, exact {e[tuple(i)]:.6g}, "
+                             f"{int(steps[tuple(i)])} steps)")
 
 
 def tf32(a):

@@ -16,7 +16,7 @@ from core_kernels._plan import (ArrayInfo, Launch, Scalar, decode_config, encode
 from core_kernels._target import Target
 from core_kernels._triton_utils import jit
 from core_kernels.merge_attn_states import MergeConfig, plan_merge_attn_states
-from harness import GPU
+from harness import GPU, rng
 
 
 @jit
@@ -251,7 +251,7 @@ except ImportError:
 import adapters.jax as aj
 from core_kernels.blocksparse_attention import build_sparse_layout
 from test_prefix_prefill import make_case
-g = np.random.default_rng()
+g = np.random.default_rng(20261127)  # fixed: module-level inputs, the same every run
 mesh = Mesh(np.array(jax.devices()), ("h",))
 h1, h2, h3, R = P(None, "h"), P(None, None, "h"), P("h"), P()
 
@@ -405,7 +405,7 @@ def test_cached_launch_arguments_follow_the_kernel_signature(monkeypatch):
             with pytest.raises(_Planned):
                 call()
     assert len(seen) == 7 and sum(len(p.launches) for p, _, _ in seen) >= 7
-    rng_ = np.random.default_rng()
+    rng_ = rng()
     for plan, tensors, runtime in seen:
         env = {n: t for n, t in tensors.items() if t is not None}
         for name, buf in plan.buffers.items():  # offsets: pointers that differ from every other

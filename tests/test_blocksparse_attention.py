@@ -469,6 +469,27 @@ class BlocksparseTests:
         assert out.dtype == q.dtype
         assert_close(out, ref, dtype, case, scale=2.0)
 
+    @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+    def test_empty_sequences_mid_batch(self, dtype):
+        """Sequences without keys (and so without queries) and with keys but no
+        queries, between and after live ones; the reference (which needs a
+        non-empty score matrix) runs on the live sequences alone."""
+        lens_k, lens_q = [40, 0, 33, 20, 0, 17, 0], [40, 0, 0, 5, 0, 17, 0]
+        hq, hkv, d, bs = 4, 2, 16, 16
+        nb = -(-max(lens_k) // bs)
+        (crow, col), _ = build_sparse_layout(hq, max(lens_k), bs, 2, 3, False)
+        block_mask = formula_block_mask(hq, nb, 2, 3, False)
+        q, k, v, cu_k, cu_q = make_batch(lens_k, lens_q, hq, hkv, d, dtype)
+        out = self.attend(q, k, v, cu_k, cu_q, (crow, col), block_size=bs)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        live = [i for i, n in enumerate(lens_q) if n]
+        pick = lambda x, cu: np.concatenate([x[cu[i]:cu[i + 1]] for i in live])  # noqa: E731
+        lk, lq = [lens_k[i] for i in live], [lens_q[i] for i in live]
+        ref = reference(pick(q, cu_q), pick(k, cu_k), pick(v, cu_k),
+                        np.concatenate([[0], np.cumsum(lk)]).astype(np.int32),
+                        np.concatenate([[0], np.cumsum(lq)]).astype(np.int32), block_mask, block_size=bs)
+        assert_close(out, ref, dtype, "live sequences", scale=2.0)
+
     # the one-split batch (enough sequences to fill 132 SMs without splits) is
     # slow under the interpreter: one dtype (split-kv covers the others)
     @pytest.mark.parametrize("dtype,batch", [(dt, 3) for dt in FLOAT_DTYPES] + [("float32", 70)],

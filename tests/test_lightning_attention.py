@@ -15,7 +15,7 @@ from core_kernels.lightning_attention import (LightningDecodeConfig, LightningGl
                                               linear_decode_reference, plan_lightning_attention,
                                               plan_linear_decode)
 from harness import (DEVICE, FLOAT_DTYPES, GPU, JaxAdapter, TorchAdapter, assert_bitwise_equal,
-                     assert_close, cast, jax_to_numpy, requires_gpu, rng, to_jax, to_torch,
+                     assert_close, cast, decay_rates, jax_to_numpy, requires_gpu, rng, to_jax, to_torch,
                      torch_to_numpy)
 import adapters.torch as at
 
@@ -55,9 +55,7 @@ def make_prefill(b, h, n, d, e, dtype, history=True, seed=None):
     q = cast(g.standard_normal((b, h, n, d)), dtype)
     k = cast(g.standard_normal((b, h, n, d)), dtype)
     v = cast(g.standard_normal((b, h, n, e)), dtype)
-    # MiniMax-like decay rates, one head with no decay at all
-    ed = g.uniform(0.005, 1.0, h).astype(np.float32)
-    ed[0] = 0.0
+    ed = decay_rates(g, h)  # a slow head that carries state far, log-uniform others, one at 0
     kvh = g.standard_normal((b, h, d, e)).astype(np.float32) if history else None
     return q, k, v, ed, kvh
 
@@ -71,7 +69,7 @@ def make_decode(b, h, d, num_slots, dtype, seed=None):
     g = rng(seed)
     q, k, v = (cast(g.standard_normal((b, h, 1, d)), dtype) for _ in range(3))
     cache = g.standard_normal((num_slots, h, d, d)).astype(np.float32)
-    slope = g.uniform(0.005, 1.0, h).astype(np.float32)
+    slope = decay_rates(g, h)
     return q, k, v, cache, slope
 
 
@@ -177,6 +175,19 @@ class LightningTests:
         assert kv.shape == (b, h, -(-n // bs) + 1, d, e)
         check(out, ref_out, dtype, "output")
         check(kv, ref_kv, dtype, "per-block states")
+
+    def test_bf16_past_fp16_range(self):
+        """bf16 inputs whose scores and states exceed fp16's range (65504): bf16 has
+        fp32's exponent range, so the result is finite and close to the reference;
+        an operand cast to fp16 instead of bf16 gives inf (and NaN) here."""
+        q, k, v, ed, kvh = make_prefill(1, 3, 70, 16, 16, "bfloat16")
+        q, k, v = (cast(x.astype(np.float32) * 300.0, "bfloat16") for x in (q, k, v))
+        kvh = kvh * 3e5
+        out, kv = self.prefill(q, k, v, ed, kvh, 32)
+        ref_out, ref_kv = reference(q, k, v, ed, kvh, 32)
+        assert np.abs(ref_out).max() > 65504, "the case must leave fp16's range"
+        check(out, ref_out, "bfloat16", "output")
+        check(kv, ref_kv, "bfloat16", "per-block states")
 
     @pytest.mark.parametrize("n,bs", [(1, 256), (70, 16), (200, 256)])
     def test_final_state_only(self, n, bs):

@@ -7,7 +7,7 @@ import torch
 
 from core_kernels.lightning_attention import (lightning_attention_backward_reference,
                                               lightning_attention_reference)
-from harness import GPU, TOL, assert_bitwise_equal, assert_close, cast, to_torch, torch_to_numpy
+from harness import GPU, TOL, assert_bitwise_equal, assert_close, cast, decay_rates, to_torch, torch_to_numpy
 
 import adapters.torch as at
 
@@ -31,7 +31,7 @@ def make(case, dtype, seed=0):
     g = np.random.default_rng(seed)
     q, k = (cast(g.standard_normal((b, h, n, d)) * 0.5, dtype) for _ in range(2))
     v = cast(g.standard_normal((b, h, n, e)) * 0.5, dtype)
-    ed = g.uniform(0.02, 0.6, h).astype(np.float32)
+    ed = decay_rates(g, h, zero_head=False)
     kv_history = g.standard_normal((b, h, d, e)).astype(np.float32) if hist else None
     _, kv = lightning_attention_reference(q, k, v, ed, bs, kv_history, final)
     grad_output = cast(g.standard_normal((b, h, n, e)), dtype)
@@ -286,7 +286,7 @@ def _varlen_case(lens, h, d, e, dtype, seed):
     t = int(cu[-1])
     q, k = (cast(g.standard_normal((t, h, d)) * 0.5, dtype) for _ in range(2))
     v = cast(g.standard_normal((t, h, e)) * 0.5, dtype)
-    ed = g.uniform(0.02, 0.6, h).astype(np.float32)
+    ed = decay_rates(g, h, zero_head=False)
     return dict(q=q, k=k, v=v, ed=ed, cu=cu, grad_output=cast(g.standard_normal((t, h, e)), dtype),
                 grad_states=g.standard_normal((len(lens), h, d, e)).astype(np.float32))
 

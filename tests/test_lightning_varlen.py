@@ -15,7 +15,7 @@ from core_kernels.lightning_attention import (LightningGluonConfig, LightningVar
                                               plan_lightning_attention_varlen)
 from core_kernels.lightning_attention.varlen_plan import varlen_work_items
 from harness import (DEVICE, FLOAT_DTYPES, GPU, JaxAdapter, TorchAdapter, assert_bitwise_equal,
-                     assert_close, cast, jax_to_numpy, requires_gpu, rng, to_jax, to_torch,
+                     assert_close, cast, decay_rates, jax_to_numpy, requires_gpu, rng, to_jax, to_torch,
                      torch_to_numpy)
 import adapters.torch as at
 
@@ -53,8 +53,7 @@ def make_varlen(lens, h, d, e, dtype, num_slots=0, seed=None, index_dtype=np.int
     q = cast(g.standard_normal((t, h, d)), dtype)
     k = cast(g.standard_normal((t, h, d)), dtype)
     v = cast(g.standard_normal((t, h, e)), dtype)
-    ed = g.uniform(0.005, 1.0, h).astype(np.float32)
-    ed[0] = 0.0
+    ed = decay_rates(g, h)
     cache = g.standard_normal((num_slots, h, d, e)).astype(np.float32) if num_slots else None
     return q, k, v, ed, cu, cache
 

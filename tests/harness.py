@@ -16,7 +16,8 @@ import torch
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
 ADAPTERS = ["torch", "jax"]
-# The interpreter's bf16 arithmetic is broken (see shared/gpu.md): bf16 runs on GPU only.
+# Triton's interpreter gives garbage for bf16 arithmetic and bf16 tl.dot (docs/testing.md):
+# bf16 runs on the GPU only.
 FLOAT_DTYPES = ["float32", "float16"] + (["bfloat16"] if GPU else [])
 requires_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 

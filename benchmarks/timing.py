@@ -1,4 +1,7 @@
-"""GPU timing shared by every benchmark (see shared/gpu.md, device METHOD.md).
+"""GPU timing shared by every benchmark (method summary: benchmarks/RESULTS.md). Times are
+medians after warm-up over fresh inputs, with the L2 cold for memory-bound kernels; a
+single JAX call timed with a sync after it would add JAX's own sync latency, so JAX is
+timed as back-to-back calls with one sync at the end.
 
 - ``kernel_time_torch``: CUDA-event median over many runs with L2 flushed
   before each run (triton.testing.do_bench) — GPU time of the torch launch.

@@ -1,4 +1,4 @@
 #!/usr/bin/env bash
-# Run every op through both adapters on identical inputs and print agreement and timings.
+# Run every public op through both adapters on identical inputs and print agreement and timings.
 source "$(dirname "$0")/env.sh"
 exec "$PYTHON_BIN" demo.py "$@"

@@ -4,6 +4,7 @@
 # the GPU tests and the benchmarks, and leave logs / JSON / PNG under $OUT.
 #   bash scripts/gpu.sh [tests|bench|all] [op ...]
 #   bash scripts/gpu.sh files tests/test_x.py "tests/test_y.py@<pytest -k expression>" ...
+#   bash scripts/gpu.sh suites      (suite1 and suite2 below on two GPUs at once, if there are two)
 #   bash scripts/gpu.sh parallel "<file;file@-k expression;...>" "<stream 2>" ...
 #     each argument a stream of `files` (entries separated by ';'), the streams run at
 #     once, each stopping before ${GPU_TEST_BUDGET_S:-550} s, logs under $OUT/s<i>/.
@@ -40,6 +41,24 @@ PARALLEL_SUITE_2=(
   "tests/test_blocksparse_backward.py;tests/test_architecture.py;tests/test_packaging.py;tests/test_bench_summary.py;tests/test_fp8_rounding.py;tests/test_docs.py"
   "tests/test_lightning_varlen.py;tests/test_index_validation.py;tests/test_scalar_policy.py"
   "tests/test_vllm_signatures.py;tests/test_dtensor.py;tests/test_offline_compile.py;tests/test_call_memo.py")
+if [[ $what == suites ]]; then
+  # both calls' suites in one: suite1 on GPU 0 and suite2 on GPU 1 at once where two GPUs
+  # are visible (a two-GPU machine halves the wall time), else one after the other
+  ngpu=$(nvidia-smi -L | wc -l)
+  if (( ngpu >= 2 )); then
+    CUDA_VISIBLE_DEVICES=0 OUT="$OUT/suite1" bash "$0" parallel suite1 > "$OUT/suite1.log" 2>&1 &
+    p1=$!
+    CUDA_VISIBLE_DEVICES=1 OUT="$OUT/suite2" bash "$0" parallel suite2 > "$OUT/suite2.log" 2>&1 &
+    p2=$!
+    wait $p1 || rc=1
+    wait $p2 || rc=1
+  else
+    OUT="$OUT/suite1" bash "$0" parallel suite1 > "$OUT/suite1.log" 2>&1 || rc=1
+    OUT="$OUT/suite2" bash "$0" parallel suite2 > "$OUT/suite2.log" 2>&1 || rc=1
+  fi
+  for f in "$OUT/suite1.log" "$OUT/suite2.log"; do echo "== $f"; grep -v "^NVIDIA" "$f"; done
+  exit $rc
+fi
 if [[ $what == parallel ]]; then
   [[ ${#ops[@]} == 1 && ${ops[0]} == suite1 ]] && ops=("${PARALLEL_SUITE_1[@]}")
   [[ ${#ops[@]} == 1 && ${ops[0]} == suite2 ]] && ops=("${PARALLEL_SUITE_2[@]}")

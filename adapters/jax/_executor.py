@@ -17,7 +17,8 @@ from core_kernels._interpret import run_plan_numpy
 from core_kernels._plan import ArrayInfo, Plan, Scalar, as_float
 from core_kernels._target import Target
 
-from . import _gluon_bridge, _spmd
+from . import _gluon_bridge
+from ._host_callback import host_call
 
 _JT = None
 
@@ -175,4 +176,4 @@ def _run_interpreted(plan: Plan, arrays: dict, runtime: dict) -> tuple:
         env = run_plan_numpy(plan, {n: np.asarray(v) for n, v in zip(names, values)}, runtime)
         return tuple(np.asarray(env[r]) for r in plan.results)
 
-    return _spmd.host_call(host, result_structs, [arrays[n] for n in names])
+    return host_call(host, result_structs, [arrays[n] for n in names])

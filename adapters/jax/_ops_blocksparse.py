@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from core_kernels import _index_check
+from core_kernels.blocksparse_attention.checks import check_blocksparse_attention
 from core_kernels._plan import as_float, as_int
 from core_kernels.blocksparse_attention import (NO_DECODE_CONFIG, BlocksparsePrefillConfig,
                                                 build_sparse_layout, local_strided_pattern,
@@ -54,7 +54,7 @@ def _arrays(q, k, v, cu_seqlens_k, cu_seqlens_q, sparse_layout, block_size, max_
     crow, col = (jnp.asarray(x) for x in sparse_layout)
     if index_validation(validate_indices, cu_seqlens_k, cu_seqlens_q, crow, col) \
             and q.ndim == 3 and k.ndim == 3:
-        check_indices(_index_check.check_blocksparse_attention,
+        check_indices(check_blocksparse_attention,
                       dict(cu_seqlens_k=cu_seqlens_k, cu_seqlens_q=cu_seqlens_q, crow=crow, col=col),
                       num_q_tokens=q.shape[0], num_k_tokens=k.shape[0], block_size=int(block_size),
                       max_seqlen=None if max_seqlen is None else int(max_seqlen))

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from core_kernels import _index_check
+from core_kernels.lightning_attention.checks import check_linear_decode
 from core_kernels._plan import as_int
 from core_kernels.lightning_attention import (check_slot_ids, plan_lightning_attention,
                                               plan_lightning_attention_backward, plan_linear_decode)
@@ -177,7 +177,7 @@ def linear_decode_forward_triton(q, k, v, kv_caches, slope_rate, slot_idx, BLOCK
             and all(d.platform == "cpu" for d in slot_idx.devices())):
         check_slot_ids(np.asarray(slot_idx), kv_caches.shape[0])
     if index_validation(validate_indices, slot_idx) and kv_caches.ndim == 4:
-        check_indices(_index_check.check_linear_decode, dict(slot_idx=slot_idx),
+        check_indices(check_linear_decode, dict(slot_idx=slot_idx),
                       num_slots=kv_caches.shape[0])
     as_int("BLOCK_SIZE", BLOCK_SIZE, 1)  # unused (vLLM's signature), but an int all the same
     arrays = dict(q=q, k=k, v=v, kv_caches=kv_caches, slope_rate=slope_rate, slot_idx=slot_idx)

@@ -10,7 +10,7 @@ import numpy as np
 from core_kernels.lightning_attention import (check_varlen_host_data, plan_lightning_attention_varlen,
                                               plan_lightning_attention_varlen_backward)
 
-from core_kernels import _index_check
+from core_kernels.lightning_attention.checks import check_lightning_varlen
 
 from core_kernels.op_axes import LIGHTNING_VARLEN, LIGHTNING_VARLEN_BACKWARD
 
@@ -73,7 +73,7 @@ def lightning_attention_varlen(q, k, v, ed, cu_seqlens, *, kv_cache=None, slot_i
                            np.asarray(slot_idx) if slot_idx is not None and _host(slot_idx) else None,
                            0 if kv_cache is None else kv_cache.shape[0])
     if index_validation(validate_indices, cu_seqlens, slot_idx):
-        check_indices(_index_check.check_lightning_varlen,
+        check_indices(check_lightning_varlen,
                       dict(cu_seqlens=cu_seqlens, slot_idx=slot_idx), num_tokens=q.shape[0],
                       num_slots=0 if kv_cache is None else kv_cache.shape[0])
     return _spmd.call(LIGHTNING_VARLEN, _varlen, arrays, block_size=block_size, config=config,

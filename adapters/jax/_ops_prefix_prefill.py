@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from core_kernels import _index_check
+from core_kernels.prefix_prefill.checks import check_prefix_prefill
 from core_kernels._plan import INT32_MAX, as_float, as_int
 from core_kernels.prefix_prefill import plan_prefix_prefill
 
@@ -86,7 +86,7 @@ def _check_indices(q, k, k_cache, b_loc, b_start_loc, b_seq_len, max_input_len, 
     """Index validation (one host transfer); malformed arguments are left to the planner."""
     if q.ndim != 3 or k_cache.ndim != 5:
         return
-    check_indices(_index_check.check_prefix_prefill,
+    check_indices(check_prefix_prefill,
                   dict(b_loc=b_loc, b_start_loc=b_start_loc, b_seq_len=b_seq_len),
                   num_tokens=q.shape[0], num_blocks=k_cache.shape[0], block_size=k_cache.shape[3],
                   max_input_len=q.shape[0] if max_input_len is None else int(max_input_len),

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import torch
 
-from core_kernels import _index_check
+from core_kernels.blocksparse_attention.checks import check_blocksparse_attention
 from core_kernels._plan import as_float, as_int, decode_config, encode_config
 from core_kernels.blocksparse_attention import (NO_DECODE_CONFIG, BlocksparsePrefillConfig,
                                                 build_sparse_layout, local_strided_pattern,
@@ -186,7 +186,7 @@ def _check_indices(q, k, cu_seqlens_k, cu_seqlens_q, crow, col, block_size, max_
     if not (isinstance(q, torch.Tensor) and q.dim() == 3 and isinstance(k, torch.Tensor)
             and k.dim() == 3):
         return
-    check_indices(_index_check.check_blocksparse_attention,
+    check_indices(check_blocksparse_attention,
                   dict(cu_seqlens_k=cu_seqlens_k, cu_seqlens_q=cu_seqlens_q, crow=crow, col=col),
                   num_q_tokens=q.shape[0], num_k_tokens=k.shape[0], block_size=int(block_size),
                   max_seqlen=None if max_seqlen is None else int(max_seqlen))

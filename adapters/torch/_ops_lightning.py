@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from core_kernels import _index_check
+from core_kernels.lightning_attention.checks import check_linear_decode
 from core_kernels._plan import as_int, decode_config, encode_config
 from core_kernels.lightning_attention import (check_slot_ids, plan_lightning_attention,
                                               plan_lightning_attention_backward, plan_linear_decode,
@@ -198,7 +198,7 @@ def linear_decode_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     try:
         if index_validation(validate_indices, slot_idx) and isinstance(kv_caches, torch.Tensor) \
                 and kv_caches.dim() == 4:
-            check_indices(_index_check.check_linear_decode, dict(slot_idx=slot_idx),
+            check_indices(check_linear_decode, dict(slot_idx=slot_idx),
                           num_slots=kv_caches.shape[0])
         as_int("BLOCK_SIZE", BLOCK_SIZE, 1)  # unused (vLLM's signature), but an int all the same
         out = _decode_op(q, k, v, kv_caches, slope_rate, slot_idx, encode_config(config))

@@ -9,7 +9,7 @@ from core_kernels._plan import decode_config, encode_config
 from core_kernels.lightning_attention import (check_varlen_host_data, plan_lightning_attention_varlen,
                                               plan_lightning_attention_varlen_backward)
 
-from core_kernels import _index_check
+from core_kernels.lightning_attention.checks import check_lightning_varlen
 
 from ._executor import CallMemo, execute, planned, run_plan
 from ._index_validation import check_indices, index_validation
@@ -206,7 +206,7 @@ def _varlen(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config, val
     """lightning_attention_varlen's regular path."""
     if index_validation(validate_indices, cu_seqlens, slot_idx) and isinstance(q, torch.Tensor) \
             and q.dim() == 3:
-        check_indices(_index_check.check_lightning_varlen,
+        check_indices(check_lightning_varlen,
                       dict(cu_seqlens=cu_seqlens, slot_idx=slot_idx), num_tokens=q.shape[0],
                       num_slots=kv_cache.shape[0] if isinstance(kv_cache, torch.Tensor) else 0)
     if kv_cache is None and slot_idx is None:

@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from core_kernels import _index_check
+from core_kernels.prefix_prefill.checks import check_prefix_prefill
 from core_kernels._plan import INT32_MAX, as_float, as_int, decode_config, encode_config
 from core_kernels.prefix_prefill import plan_prefix_prefill
 
@@ -134,7 +134,7 @@ def _check_indices(q, k, k_cache, b_loc, b_start_loc, b_seq_len, max_input_len, 
     if not (isinstance(q, torch.Tensor) and q.dim() == 3 and isinstance(k_cache, torch.Tensor)
             and k_cache.dim() == 5):
         return
-    check_indices(_index_check.check_prefix_prefill,
+    check_indices(check_prefix_prefill,
                   dict(b_loc=b_loc, b_start_loc=b_start_loc, b_seq_len=b_seq_len),
                   num_tokens=q.shape[0], num_blocks=k_cache.shape[0], block_size=k_cache.shape[3],
                   max_input_len=int(max_input_len),

@@ -657,13 +657,3 @@ def _decode_launch(p: _Decode, c: LightningDecodeConfig) -> Launch:
                         EVEN_E=p.e % c.block_e == 0,
                         OFFS_64=abs(cache[2]) * p.d + abs(cache[3]) * p.e >= 2 ** 31),
         num_warps=c.num_warps, num_stages=1)
-
-
-def check_slot_ids(slot_idx: np.ndarray, num_slots: int) -> None:
-    """Host-side check of slot ids already on the host (no device sync):
-    every id must be -1 (padding) or in [0, num_slots). On the device an
-    out-of-range id yields a NaN output row and touches no cache slot. Part of
-    the index checks (core_kernels._index_check, where validation also refuses
-    duplicate ids)."""
-    from .._index_check import check_slot_range
-    check_slot_range(slot_idx, num_slots)

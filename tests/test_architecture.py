@@ -387,13 +387,13 @@ def test_cached_launch_arguments_follow_the_kernel_signature(monkeypatch):
 
     import torch
 
-    from adapters.torch import _executor as ex
+    from adapters.torch import _device, _executor as ex, _launcher
     from benchmarks.experiments.exp_host_python import cases
 
     h200 = Target("cuda", 90, 132, gluon=True)
     monkeypatch.setattr(ex, "_PLANS", {})
     monkeypatch.setattr(ex, "target_for", lambda device: h200)
-    monkeypatch.setattr(ex, "interpret_requested", lambda: True)  # CPU tensors on a GPU machine too
+    monkeypatch.setattr(_device, "interpret_requested", lambda: True)  # CPU tensors on a GPU machine too
     seen = []
 
     def record(plan, tensors, runtime, device):
@@ -409,13 +409,13 @@ def test_cached_launch_arguments_follow_the_kernel_signature(monkeypatch):
     for plan, tensors, runtime in seen:
         env = {n: t for n, t in tensors.items() if t is not None}
         for name, buf in plan.buffers.items():  # offsets: pointers that differ from every other
-            flat = torch.empty(int(np.prod(buf.shape)) + 64, dtype=ex.TORCH_DTYPES[buf.dtype])
+            flat = torch.empty(int(np.prod(buf.shape)) + 64, dtype=_device.TORCH_DTYPES[buf.dtype])
             env[name] = flat[int(rng_.integers(1, 64)):]
         runtime = {**runtime, **{a.value: int(rng_.integers(2, 1000)) for la in plan.launches
                                  for a in la.params.values() if isinstance(a, Scalar) and isinstance(a.value, str)
                                  and runtime.get(a.value) is None}}
         for launch in plan.launches:
-            recipe = ex._Recipe(launch)
+            recipe = _launcher._Recipe(launch)
             ptrs = [env[n].data_ptr() for n in recipe.ptr_names]
             got = recipe.getter(ptrs + [runtime[n] for n in recipe.rt_names] + recipe.consts)
             want = []

@@ -10,12 +10,15 @@ from jax.custom_derivatives import SymbolicZero
 
 from core_kernels.lightning_attention.checks import check_linear_decode
 from core_kernels._plan import as_int
+from core_kernels.lightning_attention.plan import prefill_config
 from core_kernels.lightning_attention import (check_slot_ids, plan_lightning_attention,
                                               plan_lightning_attention_backward, plan_linear_decode)
 
-from core_kernels.op_axes import LIGHTNING_ATTENTION, LIGHTNING_ATTENTION_BACKWARD, LINEAR_DECODE
+from core_kernels.lightning_attention.op import LIGHTNING_ATTENTION, LIGHTNING_ATTENTION_BACKWARD, LINEAR_DECODE
 
 from . import _spmd
+from ._vmap import (decay_prepare, generic_rule, offset_ids, pinned, stack_along, unstack_along, unsupported,
+                    vmappable)
 from ._executor import info, run_plan, target
 from ._index_validation import check_indices, index_validation
 
@@ -189,3 +192,48 @@ def _decode(arrays, *, config):
     plan = plan_linear_decode(tgt, *(info(arrays[n]) for n in ("q", "k", "v", "kv_caches", "slope_rate",
                                                                 "slot_idx")), config=config)
     return run_plan(plan, arrays, tgt)
+
+
+# ---------------------------------------------------------------- jax.vmap: one launch (see _vmap)
+# - lightning_attention: batch B; heads when ``ed`` is batched.
+# - linear_decode_forward_triton: heads (output [B, H*E]: head h owns columns
+# h*E .. h*E+E-1, so heads fold example-major there too). Batched ``slot_idx``:
+# batch rows and cache slots ([V, S, ...] -> [V*S, ...], an unbatched cache
+# tiled), ids offset by v*S (-1 stays -1; an out-of-range id stays out of range).
+
+
+def _lightning_config(tgt, infos, kw):
+    return prefill_config(tgt, infos["q"], infos["k"], infos["v"], infos["ed"], infos.get("kv_history"),
+                          block_size=as_int("block_size", kw.get("block_size", 256)),
+                          output_final_state_only=bool(kw.get("output_final_state_only", False)),
+                          config=kw.get("config"))
+
+
+def _lightning_rule(size, batched, arrays, static, call):
+    return generic_rule("lightning_attention", LIGHTNING_ATTENTION, decay_prepare("ed"),
+                        pinned(_lightning_config))(size, batched, arrays, static, call)
+
+
+def _decode_rule(size, batched, arrays, static, call):
+    axes = LINEAR_DECODE
+    if "slot_idx" not in batched:
+        return generic_rule(axes.name, axes, decay_prepare("slope_rate"))(
+            size, batched, arrays, static, call)
+    if "slope_rate" in batched:
+        raise unsupported(axes.name, "slope_rate", "with slot_idx batched the examples are folded "
+                           "into the batch rows, which share the heads' slopes")
+    cache = arrays["kv_caches"]
+    slots = cache.shape[-4]
+    folded = {n: stack_along(arrays[n], n in batched, size, 0) for n in ("q", "k", "v", "kv_caches")}
+    ids = offset_ids(arrays["slot_idx"], True, size, slots)
+    out, new_cache = call(**folded, slope_rate=arrays["slope_rate"], slot_idx=ids, **static)
+    return unstack_along(out, size, 0), unstack_along(new_cache, size, 0)
+
+
+# ---------------------------------------------------------------- the public functions
+# each with its custom_vmap rule (vmappable) and, where it has a backward, its custom_vjp
+lightning_attention_backward = vmappable(lightning_attention_backward, LIGHTNING_ATTENTION_BACKWARD,
+                                         prepare=decay_prepare("ed"))
+lightning_attention = with_vjp(vmappable(lightning_attention, LIGHTNING_ATTENTION, _lightning_rule),
+                               lightning_attention_backward)
+linear_decode_forward_triton = vmappable(linear_decode_forward_triton, LINEAR_DECODE, _decode_rule)

@@ -7,14 +7,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from core_kernels.lightning_attention.varlen_plan import varlen_config
 from core_kernels.lightning_attention import (check_varlen_host_data, plan_lightning_attention_varlen,
                                               plan_lightning_attention_varlen_backward)
 
 from core_kernels.lightning_attention.checks import check_lightning_varlen
 
-from core_kernels.op_axes import LIGHTNING_VARLEN, LIGHTNING_VARLEN_BACKWARD
+from core_kernels.lightning_attention.op import LIGHTNING_VARLEN, LIGHTNING_VARLEN_BACKWARD
 
 from . import _spmd
+from ._vmap import (decay_prepare, generic_rule, offset_ids, per_example, pinned, rebase_offsets, stack_along,
+                    tile, unstack_along, unsupported, vmappable)
 from ._executor import info, run_plan, target
 from ._index_validation import check_indices, index_validation
 from ._ops_lightning import output_cotangents
@@ -176,3 +179,46 @@ def with_vjp(forward, backward):
         return varlen(*primals)
 
     return lightning_attention_varlen
+
+
+# ---------------------------------------------------------------- jax.vmap: one launch (see _vmap)
+# - lightning_attention_varlen: heads. Batched cu_seqlens / slot_idx: tokens
+# ([T, ...] -> [V*T, ...]) with cu_seqlens re-based by v*T, caches concatenated
+# along slots with ids offset as for decode; final states [B, ...] -> [V*B, ...].
+
+
+def _varlen_config(tgt, infos, kw):
+    return varlen_config(tgt, infos["q"], infos["k"], infos["v"], infos["ed"], infos["cu_seqlens"],
+                         infos.get("kv_cache"), infos.get("slot_idx"), block_size=kw.get("block_size", 256),
+                         config=kw.get("config"))
+
+
+def _varlen_rule(size, batched, arrays, static, call):
+    axes = LIGHTNING_VARLEN
+    if not batched & {"cu_seqlens", "slot_idx"}:
+        return generic_rule(axes.name, axes, decay_prepare("ed"),
+                            pinned(_varlen_config))(size, batched, arrays, static, call)
+    if "ed" in batched:
+        raise unsupported(axes.name, "ed", "with cu_seqlens / slot_idx batched the examples are "
+                           "folded into the tokens, which share the heads' decays")
+    t = arrays["q"].shape[-3]
+    folded = {n: stack_along(arrays[n], n in batched, size, 0) for n in ("q", "k", "v")}
+    folded["cu_seqlens"] = rebase_offsets(arrays["cu_seqlens"], "cu_seqlens" in batched, size, t)
+    cache, ids = arrays.get("kv_cache"), arrays.get("slot_idx")
+    if cache is not None:
+        slots = cache.shape[-4]
+        folded["kv_cache"] = stack_along(cache, "kv_cache" in batched, size, 0)
+        folded["slot_idx"] = offset_ids(ids, "slot_idx" in batched, size, slots)
+    elif ids is not None:
+        folded["slot_idx"] = tile(ids, "slot_idx" in batched, size).reshape(-1)
+    kw = pinned(_varlen_config)(dict(static), per_example(arrays, batched))
+    out, state = call(**folded, ed=arrays["ed"], **kw)
+    return unstack_along(out, size, 0), unstack_along(state, size, 0)
+
+
+# ---------------------------------------------------------------- the public functions
+# each with its custom_vmap rule (vmappable) and, where it has a backward, its custom_vjp
+lightning_attention_varlen_backward = vmappable(lightning_attention_varlen_backward, LIGHTNING_VARLEN_BACKWARD,
+                                                prepare=decay_prepare("ed"))
+lightning_attention_varlen = with_vjp(vmappable(lightning_attention_varlen, LIGHTNING_VARLEN, _varlen_rule),
+                                      lightning_attention_varlen_backward)

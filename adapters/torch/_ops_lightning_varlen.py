@@ -10,6 +10,8 @@ from core_kernels.lightning_attention import (check_varlen_host_data, plan_light
                                               plan_lightning_attention_varlen_backward)
 
 from core_kernels.lightning_attention.checks import check_lightning_varlen
+from core_kernels.lightning_attention.op import (LIGHTNING_VARLEN, LIGHTNING_VARLEN_BACKWARD,
+                                                LIGHTNING_VARLEN_HISTORY)
 
 from ._executor import CallMemo, execute, planned, run_plan
 from ._index_validation import check_indices, index_validation
@@ -68,7 +70,8 @@ def _backward_fake(q, k, v, ed, cu_seqlens, kv, grad_output, grad_kv, kv_history
             q.new_empty((q.shape[1],), dtype=torch.float32), torch.empty_like(kv))
 
 
-_backward_op = custom_op("lightning_attention_varlen_backward", _backward_impl, fake=_backward_fake)
+_backward_op = custom_op("lightning_attention_varlen_backward", _backward_impl, fake=_backward_fake,
+                         axes=LIGHTNING_VARLEN_BACKWARD)
 
 
 def _setup_context(ctx, inputs, output):
@@ -119,7 +122,8 @@ def _history_backward(ctx, grad_output, grad_states):
 
 
 _history_op = custom_op("lightning_attention_varlen_history", _history_impl, fake=_history_fake,
-                        autograd=(_history_backward, _history_setup_context))
+                        autograd=(_history_backward, _history_setup_context),
+                        axes=LIGHTNING_VARLEN_HISTORY)
 
 
 def _cache_with_grad(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config):
@@ -140,9 +144,9 @@ def _cache_with_grad(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, co
 
 
 _states_op = custom_op("lightning_attention_varlen", _states_impl, fake=_states_fake,
-                       autograd=(_backward, _setup_context))
+                       autograd=(_backward, _setup_context), axes=LIGHTNING_VARLEN)
 _cache_op = custom_op("lightning_attention_varlen_cache", _cache_impl, mutates_args=("kv_cache",),
-                      fake=_cache_fake)
+                      fake=_cache_fake, axes=LIGHTNING_VARLEN)
 
 
 _MEMO = CallMemo(("q", "k", "v", "ed", "cu_seqlens", "kv_cache", "slot_idx"), written=("kv_cache",))

@@ -8,6 +8,7 @@ import torch
 from core_kernels.prefix_prefill.checks import check_prefix_prefill
 from core_kernels._plan import INT32_MAX, as_float, as_int, decode_config, encode_config
 from core_kernels.prefix_prefill import plan_prefix_prefill
+from core_kernels.prefix_prefill.op import CONTEXT_ATTENTION_FWD
 
 from ._executor import CallMemo, execute
 from ._index_validation import check_indices, index_validation
@@ -35,7 +36,8 @@ def _impl(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
             is_block_table_ptr=is_block_table_ptr, config=decode_config(config))
 
 
-_op = custom_op("context_attention_fwd", _impl, mutates_args=("o",))
+_op = custom_op("context_attention_fwd", _impl, mutates_args=("o",), axes=CONTEXT_ATTENTION_FWD,
+                renamed={"o": "output"})
 
 
 _MEMO = CallMemo(("q", "k", "v", "output", "k_cache", "v_cache", "b_loc", "b_start_loc", "b_seq_len", "k_scale",

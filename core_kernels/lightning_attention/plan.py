@@ -238,6 +238,20 @@ def _check_head(name, size):
         raise ValueError(f"{name}: head size {size} is not in [1, {MAX_HEAD_SIZE}]")
 
 
+def prefill_config(target: Target, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, ed: ArrayInfo,
+                   kv_history: ArrayInfo | None = None, *, block_size: int = 256,
+                   output_final_state_only: bool = False, config=None):
+    """The config :func:`plan_lightning_attention` runs these arrays with:
+    ``config`` completed, or the measured default (Gluon where the target
+    runs it). The JAX adapter's vmap pins it, so that a folded launch does the
+    per-example arithmetic."""
+    p = _validate_prefill(q, k, v, ed, kv_history, as_int("block_size", block_size),
+                          bool(output_final_state_only))
+    if _use_gluon(target, p, config):
+        return _gluon_config(target, p, config)
+    return _triton_config(target, p, config)
+
+
 def _validate_prefill(q, k, v, ed, kv_history, block_size, final_only) -> _Prefill:
     check_ndim("q", q, 4, "[B, H, N, D]")
     check_dtype("q", q, FLOAT_DTYPES)

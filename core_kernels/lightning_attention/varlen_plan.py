@@ -137,6 +137,17 @@ def plan_lightning_attention_varlen(
     return _launch(target, p, c)
 
 
+def varlen_config(target: Target, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, ed: ArrayInfo,
+                  cu_seqlens: ArrayInfo, kv_cache: ArrayInfo | None = None,
+                  slot_idx: ArrayInfo | None = None, *, block_size: int = 256, config=None):
+    """The Triton config (segment length, tiles) :func:`plan_lightning_attention_varlen`
+    chooses for these arrays: ``config`` completed, or the measured default. The
+    JAX adapter's vmap pins it, so that a folded launch does the per-example
+    arithmetic."""
+    p = _validate(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size)
+    return _config(target, p, config)
+
+
 def _validate(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size) -> _Varlen:
     check_ndim("q", q, 3, "[T, H, D]")
     check_dtype("q", q, FLOAT_DTYPES)

@@ -10,7 +10,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from core_kernels.lightning_attention.checks import check_linear_decode
 from core_kernels._plan import as_int
-from core_kernels.lightning_attention.plan import prefill_config
+from core_kernels.lightning_attention.prefill_plan import prefill_config
 from core_kernels.lightning_attention import (check_slot_ids, plan_lightning_attention,
                                               plan_lightning_attention_backward, plan_linear_decode)
 

@@ -1,6 +1,5 @@
-from .plan import (LightningDecodeConfig, LightningGluonConfig, LightningTritonConfig,
-                   plan_lightning_attention, plan_linear_decode,
-                   prefill_state_shape)
+from .prefill_plan import LightningGluonConfig, LightningTritonConfig, plan_lightning_attention, prefill_state_shape
+from .decode_plan import LightningDecodeConfig, plan_linear_decode
 from .reference import (lightning_attention_backward_reference, lightning_attention_reference,
                         linear_decode_reference)
 

@@ -44,6 +44,12 @@ def info(x) -> ArrayInfo:
     return ArrayInfo.contiguous(x.shape, jnp.dtype(x.dtype).name)
 
 
+def infos(arrays: dict, *names) -> dict:
+    """The ArrayInfo of each of ``names`` (None for an absent one), by name: a
+    planner's array arguments, passed by keyword so that no order can swap them."""
+    return {n: None if arrays.get(n) is None else info(arrays[n]) for n in names}
+
+
 def as_array(name: str, value, dtype, size: int = 1):
     """A scalar or array argument as a 1-D device array of ``size`` (kept as
     data, so a new value never recompiles)."""

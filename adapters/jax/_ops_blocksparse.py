@@ -21,7 +21,7 @@ from core_kernels.blocksparse_attention.op import (BLOCKSPARSE_VARLEN, BLOCKSPAR
 
 from . import _spmd
 from ._vmap import generic_rule, pinned, tile, unsupported, vmappable
-from ._executor import info, run_plan, target
+from ._executor import infos, run_plan, target
 from ._index_validation import check_indices, index_validation
 
 
@@ -75,7 +75,7 @@ def _options(sm_scale, block_size, q_block_size, max_seqlen) -> dict:
 
 def _planned(planner, arrays, names, **options):
     tgt = target(arrays)
-    plan = planner(tgt, *(None if arrays.get(n) is None else info(arrays[n]) for n in names), **options)
+    plan = planner(tgt, **infos(arrays, *names), **options)
     return run_plan(plan, arrays, tgt)
 
 
@@ -329,8 +329,7 @@ def _blocksparse_config(tgt, infos, kw):
         return kw["config"]
     sm = kw.get("sm_scale")
     qb, ms = kw.get("q_block_size"), kw.get("max_seqlen")
-    return choose_config(tgt, infos["q"], infos["k"], infos["v"], infos["cu_seqlens_k"],
-                         infos.get("cu_seqlens_q"), infos["crow"], infos["col"],
+    return choose_config(tgt, **{n: infos.get(n) for n in _FWD_NAMES},
                          sm_scale=None if sm is None else float(sm),
                          block_size=as_int("block_size", kw.get("block_size", 64)),
                          q_block_size=None if qb is None else as_int("q_block_size", qb),

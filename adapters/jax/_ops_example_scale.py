@@ -6,7 +6,7 @@ from __future__ import annotations
 from core_kernels.example_scale import EXAMPLE_SCALE, plan_example_scale
 
 from . import _spmd
-from ._executor import info, run_plan, scale_array, target
+from ._executor import infos, run_plan, scale_array, target
 from ._vmap import vmappable
 
 
@@ -26,7 +26,7 @@ def example_scale(x, scale):
 
 def _example_scale(arrays):
     tgt = target(arrays)
-    plan = plan_example_scale(tgt, x=info(arrays["x"]), scale=info(arrays["scale"]))
+    plan = plan_example_scale(tgt, **infos(arrays, "x", "scale"))
     return run_plan(plan, arrays, tgt)
 
 

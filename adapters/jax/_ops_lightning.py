@@ -19,7 +19,7 @@ from core_kernels.lightning_attention.op import LIGHTNING_ATTENTION, LIGHTNING_A
 from . import _spmd
 from ._vmap import (decay_prepare, generic_rule, offset_ids, pinned, stack_along, unstack_along, unsupported,
                     vmappable)
-from ._executor import info, run_plan, target
+from ._executor import infos, run_plan, target
 from ._index_validation import check_indices, index_validation
 
 
@@ -55,9 +55,7 @@ def lightning_attention(q, k, v, ed, block_size=256, kv_history=None,
 
 def _prefill(arrays, *, block_size, output_final_state_only, config):
     tgt = target(arrays)
-    history = arrays.get("kv_history")
-    plan = plan_lightning_attention(tgt, *(info(arrays[n]) for n in ("q", "k", "v", "ed")),
-                                    None if history is None else info(history),
+    plan = plan_lightning_attention(tgt, **infos(arrays, "q", "k", "v", "ed", "kv_history"),
                                     block_size=block_size,
                                     output_final_state_only=output_final_state_only, config=config)
     return run_plan(plan, arrays, tgt)
@@ -86,9 +84,7 @@ def lightning_attention_backward(q, k, v, ed, kv_history, kv, grad_output, grad_
 def _backward(arrays, *, block_size, output_final_state_only, need_grad_ed):
     tgt = target(arrays)
     plan = plan_lightning_attention_backward(
-        tgt, *(info(arrays[n]) for n in ("q", "k", "v", "ed")),
-        *(None if arrays.get(n) is None else info(arrays[n]) for n in ("kv_history", "kv", "grad_output",
-                                                                       "grad_kv")),
+        tgt, **infos(arrays, "q", "k", "v", "ed", "kv_history", "kv", "grad_output", "grad_kv"),
         block_size=block_size, output_final_state_only=output_final_state_only, need_grad_ed=need_grad_ed)
     return run_plan(plan, arrays, tgt)
 
@@ -189,8 +185,8 @@ def linear_decode_forward_triton(q, k, v, kv_caches, slope_rate, slot_idx, BLOCK
 
 def _decode(arrays, *, config):
     tgt = target(arrays)
-    plan = plan_linear_decode(tgt, *(info(arrays[n]) for n in ("q", "k", "v", "kv_caches", "slope_rate",
-                                                                "slot_idx")), config=config)
+    plan = plan_linear_decode(tgt, **infos(arrays, "q", "k", "v", "kv_caches", "slope_rate", "slot_idx"),
+                              config=config)
     return run_plan(plan, arrays, tgt)
 
 

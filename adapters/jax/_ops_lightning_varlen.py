@@ -18,7 +18,7 @@ from core_kernels.lightning_attention.op import LIGHTNING_VARLEN, LIGHTNING_VARL
 from . import _spmd
 from ._vmap import (decay_prepare, generic_rule, offset_ids, per_example, pinned, rebase_offsets, stack_along,
                     tile, unstack_along, unsupported, vmappable)
-from ._executor import info, run_plan, target
+from ._executor import infos, run_plan, target
 from ._index_validation import check_indices, index_validation
 from ._ops_lightning import output_cotangents
 
@@ -69,9 +69,7 @@ def lightning_attention_varlen(q, k, v, ed, cu_seqlens, *, kv_cache=None, slot_i
         arrays["slot_idx"] = slot_idx
     tgt = target(arrays)
     plan = plan_lightning_attention_varlen(  # validates before the host checks
-        tgt, info(q), info(k), info(v), info(ed), info(cu_seqlens),
-        None if kv_cache is None else info(kv_cache), None if slot_idx is None else info(slot_idx),
-        block_size=block_size, config=config)
+        tgt, **infos(arrays, "q", "k", "v", "ed", "cu_seqlens", "kv_cache", "slot_idx"), block_size=block_size, config=config)
     check_varlen_host_data(np.asarray(cu_seqlens) if _host(cu_seqlens) else None, q.shape[0],
                            np.asarray(slot_idx) if slot_idx is not None and _host(slot_idx) else None,
                            0 if kv_cache is None else kv_cache.shape[0])
@@ -86,9 +84,7 @@ def lightning_attention_varlen(q, k, v, ed, cu_seqlens, *, kv_cache=None, slot_i
 def _varlen(arrays, *, block_size, config):
     tgt = target(arrays)
     plan = plan_lightning_attention_varlen(
-        tgt, *(info(arrays[n]) for n in ("q", "k", "v", "ed", "cu_seqlens")),
-        *(None if n not in arrays else info(arrays[n]) for n in ("kv_cache", "slot_idx")),
-        block_size=block_size, config=config)
+        tgt, **infos(arrays, "q", "k", "v", "ed", "cu_seqlens", "kv_cache", "slot_idx"), block_size=block_size, config=config)
     return run_plan(plan, arrays, tgt)
 
 
@@ -111,8 +107,7 @@ def lightning_attention_varlen_backward(q, k, v, ed, cu_seqlens, kv, grad_output
 def _varlen_backward(arrays, *, need_grad_ed):
     tgt = target(arrays)
     plan = plan_lightning_attention_varlen_backward(
-        tgt, *(info(arrays[n]) for n in ("q", "k", "v", "ed", "cu_seqlens", "kv", "grad_output")),
-        *(None if n not in arrays else info(arrays[n]) for n in ("grad_kv", "kv_history")),
+        tgt, **infos(arrays, "q", "k", "v", "ed", "cu_seqlens", "kv", "grad_output", "grad_kv", "kv_history"),
         need_grad_ed=need_grad_ed)
     return run_plan(plan, arrays, tgt)
 

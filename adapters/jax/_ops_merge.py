@@ -14,7 +14,7 @@ from core_kernels.merge_attn_states import (NO_FP8_BACKWARD, check_prefill_token
 
 from . import _spmd
 from ._vmap import generic_rule, stack_along, tile, unstack_along, unsupported, vmappable
-from ._executor import as_array, info, is_device_data, run_plan, scale_array, target
+from ._executor import as_array, infos, is_device_data, run_plan, scale_array, target
 
 
 def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
@@ -50,13 +50,11 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
 
 def _merge(arrays, *, config, output_dtype):
     tgt = target(arrays)
-    count, scale = arrays.get("prefill_tokens_with_context"), arrays.get("output_scale")
+    count = arrays.get("prefill_tokens_with_context")
     plan = plan_merge_attn_states(
-        tgt, *(info(arrays[n]) for n in ("prefix_output", "prefix_lse", "suffix_output", "suffix_lse")),
-        num_ctx="none" if count is None else "array",
-        output_scale=None if scale is None else info(scale),
-        prefill_tokens_with_context=None if count is None else info(count),
-        output_dtype=output_dtype, config=config)
+        tgt, **infos(arrays, "prefix_output", "prefix_lse", "suffix_output", "suffix_lse", "output_scale",
+                     "prefill_tokens_with_context"),
+        num_ctx="none" if count is None else "array", output_dtype=output_dtype, config=config)
     return run_plan(plan, arrays, tgt)
 
 
@@ -93,11 +91,10 @@ def merge_attn_states_backward(prefix_output, prefix_lse, suffix_output, suffix_
 
 def _merge_backward(arrays, *, config):
     tgt = target(arrays)
-    count, glse = arrays.get("prefill_tokens_with_context"), arrays.get("grad_output_lse")
+    count = arrays.get("prefill_tokens_with_context")
     plan = plan_merge_attn_states_backward(
-        tgt, *(info(arrays[n]) for n in ("prefix_output", "prefix_lse", "suffix_output", "suffix_lse",
-                                         "grad_output")),
-        None if glse is None else info(glse), None if count is None else info(count),
+        tgt, **infos(arrays, "prefix_output", "prefix_lse", "suffix_output", "suffix_lse", "grad_output",
+                     "grad_output_lse", "prefill_tokens_with_context"),
         num_ctx="none" if count is None else "array", config=config)
     return run_plan(plan, arrays, tgt)
 
@@ -168,8 +165,7 @@ def mask_empty_context_lse(lse, query_start_loc, context_start_loc):
 
 def _mask(arrays):
     tgt = target(arrays)
-    plan = plan_mask_empty_context_lse(tgt, *(info(arrays[n]) for n in
-                                              ("lse", "query_start_loc", "context_start_loc")))
+    plan = plan_mask_empty_context_lse(tgt, **infos(arrays, "lse", "query_start_loc", "context_start_loc"))
     return run_plan(plan, arrays, tgt)
 
 

@@ -14,7 +14,7 @@ from core_kernels.prefix_prefill.op import CONTEXT_ATTENTION_FWD
 from . import _spmd
 from ._vmap import (fold_arrays, offset_ids, per_example, pinned, rebase_offsets, stack_along, unstack_along,
                     unsupported, vmappable)
-from ._executor import info, run_plan, scale_array, target
+from ._executor import infos, run_plan, scale_array, target
 from ._index_validation import buffer_address, check_indices, index_validation
 
 
@@ -75,12 +75,9 @@ def context_attention_fwd(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_l
 
 def _context_attention(arrays, **options):
     tgt = target(arrays)
-    infos = {n: info(x) for n, x in arrays.items()}
     plan = plan_prefix_prefill(
-        tgt,
-        *(infos.get(n) for n in ("q", "k", "v", "k_cache", "v_cache", "b_loc", "b_start_loc",
-                                 "b_seq_len", "output", "k_scale", "v_scale", "alibi_slopes",
-                                 "sinks", "fp8_out_scale")), **options)
+        tgt, **infos(arrays, "q", "k", "v", "k_cache", "v_cache", "b_loc", "b_start_loc", "b_seq_len",
+                     "output", "k_scale", "v_scale", "alibi_slopes", "sinks", "fp8_out_scale"), **options)
     return run_plan(plan, arrays, tgt)
 
 

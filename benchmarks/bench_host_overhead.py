@@ -42,48 +42,48 @@ def _recorded(call):
     """The (launch, args) of every kernel launch ``call`` makes through the torch
     executor, and ``floor``: (launchers, allocations), zero-argument callables that
     make the same C launches and the same per-call allocations, nothing else."""
-    from adapters.torch import _executor as ex
+    from adapters.torch import _executor as ex, _launcher as la
     rec, launchers, allocs, buffers, inputs = [], [], [], set(), {}
-    orig_launch, orig_program = ex._launch, ex._program
+    orig_launch, orig_program = la._launch, ex._program
 
     def spy(launch, recipe, env, runtime, device_index):
-        rec.append((launch, ex._tensor_args(launch, env, runtime)))
+        rec.append((launch, la._tensor_args(launch, env, runtime)))
         orig_launch(launch, recipe, env, runtime, device_index)
-        launchers.append(_direct(ex, recipe, env, runtime, device_index))
+        launchers.append(_direct(la, recipe, env, runtime, device_index))
         inputs.update((n, env[n]) for n in recipe.ptr_names if n not in buffers)
 
     def program(plan):
         prog = orig_program(plan)
-        allocs.extend(_alloc(ex, a) for a in prog.allocs if a[4] in (ex._EMPTY, ex._ZEROS))
+        allocs.extend(_alloc(la, a) for a in prog.allocs if a[4] in (la._EMPTY, la._ZEROS))
         buffers.update(plan.buffers)
         return prog
-    ex._launch, ex._program = spy, program
+    la._launch, ex._program = spy, program
     ex.set_call_memo(False)  # a replayed call (CallMemo) passes neither
     try:
         call()
     finally:
-        ex._launch, ex._program = orig_launch, orig_program
+        la._launch, ex._program = orig_launch, orig_program
         ex.set_call_memo(True)
     return rec, (launchers, allocs, list(inputs.values()))
 
 
-def _direct(ex, recipe, env, runtime, device_index):
+def _direct(la, recipe, env, runtime, device_index):
     """The cached compiled kernel's C launch of one recorded launch, arguments
     prepared (None when the executor took Triton's regular path)."""
     import torch
     ptrs = [env[n].data_ptr() for n in recipe.ptr_names]
     rts = [runtime[n] for n in recipe.rt_names]
-    entry = recipe.compiled.get(ex._spec(device_index, ptrs, rts))
+    entry = recipe.compiled.get(la._spec(device_index, ptrs, rts))
     if entry is None:
         return None
     stream, args = torch.cuda.current_stream(device_index).cuda_stream, recipe.getter(ptrs + rts + recipe.consts)
     return lambda: entry(stream, args)
 
 
-def _alloc(ex, a):
+def _alloc(la, a):
     import torch
     name, shape, strides, dtype, mode, _ = a
-    if mode == ex._ZEROS:
+    if mode == la._ZEROS:
         return lambda: torch.zeros(shape, dtype=dtype, device="cuda")
     return lambda: torch.empty_strided(shape, strides, dtype=dtype, device="cuda")
 

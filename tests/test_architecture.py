@@ -1,5 +1,6 @@
 """The launch contract shared by every op: Target, launches by parameter name,
 the integer policy, configs, and the jax-triton Gluon bridge's gate."""
+import pathlib
 import types
 
 import numpy as np
@@ -387,13 +388,13 @@ def test_cached_launch_arguments_follow_the_kernel_signature(monkeypatch):
 
     import torch
 
-    from adapters.torch import _executor as ex
+    from adapters.torch import _device, _executor as ex, _launcher
     from benchmarks.experiments.exp_host_python import cases
 
     h200 = Target("cuda", 90, 132, gluon=True)
     monkeypatch.setattr(ex, "_PLANS", {})
     monkeypatch.setattr(ex, "target_for", lambda device: h200)
-    monkeypatch.setattr(ex, "interpret_requested", lambda: True)  # CPU tensors on a GPU machine too
+    monkeypatch.setattr(_device, "interpret_requested", lambda: True)  # CPU tensors on a GPU machine too
     seen = []
 
     def record(plan, tensors, runtime, device):
@@ -409,13 +410,13 @@ def test_cached_launch_arguments_follow_the_kernel_signature(monkeypatch):
     for plan, tensors, runtime in seen:
         env = {n: t for n, t in tensors.items() if t is not None}
         for name, buf in plan.buffers.items():  # offsets: pointers that differ from every other
-            flat = torch.empty(int(np.prod(buf.shape)) + 64, dtype=ex.TORCH_DTYPES[buf.dtype])
+            flat = torch.empty(int(np.prod(buf.shape)) + 64, dtype=_device.TORCH_DTYPES[buf.dtype])
             env[name] = flat[int(rng_.integers(1, 64)):]
         runtime = {**runtime, **{a.value: int(rng_.integers(2, 1000)) for la in plan.launches
                                  for a in la.params.values() if isinstance(a, Scalar) and isinstance(a.value, str)
                                  and runtime.get(a.value) is None}}
         for launch in plan.launches:
-            recipe = ex._Recipe(launch)
+            recipe = _launcher._Recipe(launch)
             ptrs = [env[n].data_ptr() for n in recipe.ptr_names]
             got = recipe.getter(ptrs + [runtime[n] for n in recipe.rt_names] + recipe.consts)
             want = []
@@ -484,3 +485,136 @@ def test_executor_buffers_are_contiguous(shape):
     assert row_major_strides(shape) == torch.empty(shape).stride()
     t = torch.empty_strided(shape, row_major_strides(shape))
     assert t.is_contiguous()
+
+
+# ------------------------------------------------------------------ one op, one folder
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+OP_FOLDERS = sorted(p.parent.name for p in ROOT.glob("core_kernels/*/__init__.py"))
+# modules every op goes through: they derive from the ops' descriptions and name none
+CENTRAL = ("core_kernels/op_axes.py", "core_kernels/_index_check.py", "core_kernels/_plan.py",
+           "core_kernels/_interpret.py", "adapters/jax/_vmap.py", "adapters/jax/_spmd.py",
+           "adapters/jax/_executor.py", "adapters/jax/_host_callback.py", "adapters/jax/_index_validation.py",
+           "adapters/torch/_dtensor.py", "adapters/torch/_register.py", "adapters/torch/_executor.py",
+           "adapters/torch/_launcher.py", "adapters/torch/_call_memo.py", "adapters/torch/_replay.py",
+           "adapters/torch/_device.py", "adapters/torch/_index_validation.py")
+
+
+def _missing_pieces(folder: str) -> list:
+    """What the op folder core_kernels/<folder>/ lacks of ADDING_AN_OP.md's checklist."""
+    import importlib
+
+    from core_kernels.op_axes import OpAxes
+    base = ROOT / "core_kernels" / folder
+    missing = []
+    if not list(base.glob("*kernels.py")):
+        missing.append("kernels: core_kernels/{}/kernels.py".format(folder))
+    package = importlib.import_module(f"core_kernels.{folder}")
+    if not any(n.startswith("plan_") and callable(getattr(package, n)) for n in dir(package)):
+        missing.append(f"planner: a plan_<op> exported by core_kernels/{folder}/__init__.py")
+    if not any(n.endswith("_reference") for n in dir(package)) or not list(base.glob("*reference.py")):
+        missing.append(f"reference: core_kernels/{folder}/reference.py with a <op>_reference, exported")
+    if not (base / "op.py").exists():
+        return missing + [f"description: core_kernels/{folder}/op.py (OpAxes and PUBLIC)"]
+    desc = importlib.import_module(f"core_kernels.{folder}.op")
+    if not any(isinstance(v, OpAxes) for v in vars(desc).values()):
+        missing.append(f"description: an OpAxes in core_kernels/{folder}/op.py")
+    public = getattr(desc, "PUBLIC", ())
+    if not public:
+        missing.append(f"description: PUBLIC (the public functions) in core_kernels/{folder}/op.py")
+    for fw in ("torch", "jax"):
+        adapter = importlib.import_module(f"adapters.{fw}")
+        for name in public:
+            fn = getattr(adapter, name, None)
+            if fn is None or not getattr(fn, "__module__", "").startswith(f"adapters.{fw}._ops_"):
+                missing.append(f"adapter function: adapters.{fw}.{name}, defined in adapters/{fw}/_ops_*.py")
+    if not (ROOT / "tests" / f"test_{folder}.py").exists():
+        missing.append(f"tests: tests/test_{folder}.py")
+    return missing
+
+
+@pytest.mark.parametrize("folder", OP_FOLDERS)
+def test_op_folder_has_every_piece(folder):
+    """Each op folder has the pieces of ADDING_AN_OP.md's checklist; a missing one is named."""
+    missing = _missing_pieces(folder)
+    assert not missing, f"core_kernels/{folder}/ lacks: " + "; ".join(missing)
+
+
+def test_example_op_is_the_guide_s():
+    assert "example_scale" in OP_FOLDERS
+    guide = (ROOT / "ADDING_AN_OP.md").read_text()
+    assert "core_kernels/example_scale/" in guide and "tests/test_example_scale.py" in guide
+
+
+def test_every_registered_torch_op_is_described():
+    """Every custom op comes with its description (DTensor derives its strategies from it)."""
+    import adapters.torch  # noqa: F401
+    from adapters.torch._register import OPS
+    from core_kernels.op_axes import OpAxes
+    assert [n for n, call in OPS.items() if not isinstance(call.axes, OpAxes)] == []
+
+
+def test_central_modules_name_no_op():
+    """The generic modules hold no per-op table: no op's name appears in them (the ops'
+    descriptions, rules and checks live in their folders and _ops_<op>.py modules)."""
+    import importlib
+    import re
+
+    from core_kernels.op_axes import OpAxes
+    names = set()
+    for folder in OP_FOLDERS:
+        desc = importlib.import_module(f"core_kernels.{folder}.op")
+        names |= set(getattr(desc, "PUBLIC", ()))
+        names |= {v.name for v in vars(desc).values() if isinstance(v, OpAxes)}
+    found = {}
+    for path in CENTRAL:
+        text = (ROOT / path).read_text()
+        hits = sorted(n for n in names if re.search(rf"\b{n}\b", text))
+        if hits:
+            found[path] = hits
+    assert found == {}
+
+
+def _imports(path: pathlib.Path, module: str) -> set:
+    """The package modules ``module`` (at ``path``) imports, at any depth of its code."""
+    import ast
+    package = module.rsplit(".", 1)[0] if path.name != "__init__.py" else module
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[:len(parts) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            out.add(base)
+            out |= {f"{base}.{a.name}" for a in node.names}
+    return out
+
+
+def test_no_import_cycles():
+    """No module of core_kernels/ or adapters/ imports itself back through others
+    (function-level imports included; a package's __init__ is not an edge back)."""
+    modules = {}
+    for top in ("core_kernels", "adapters"):
+        for path in (ROOT / top).rglob("*.py"):
+            rel = path.relative_to(ROOT).with_suffix("")
+            name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+            modules[name] = path
+    graph = {m: {i for i in _imports(p, m) if i in modules and i != m and not modules[i].name == "__init__.py"}
+             for m, p in modules.items()}
+    state, cycles = {}, []
+
+    def visit(m, stack):
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycles.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                visit(n, stack + [n])
+        state[m] = 2
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == []

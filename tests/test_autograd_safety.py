@@ -5,7 +5,8 @@ needs a backward the op does not have (eagerly and under torch.compile), while
 no_grad / inference_mode calls run; (b) bump the version counter of every tensor
 written in place; (c) refuse to write an inference tensor outside inference mode.
 The generic tests iterate over adapters.torch._register.OPS, so an op added later
-is covered by them and must add a valid example to EXAMPLES below.
+is covered by them and must bring a valid example: AUTOGRAD_EXAMPLES in its own
+tests/test_<op>.py (or EXAMPLES below).
 """
 import numpy as np
 import pytest
@@ -164,6 +165,24 @@ EXAMPLES = {
     "lightning_attention_varlen_history": (_varlen_history, "kv_history"),
     "mask_empty_context_lse": (_mask, None),   # its only float input is written in place
 }
+
+
+def _examples_of_op_tests() -> dict:
+    """AUTOGRAD_EXAMPLES (same form as EXAMPLES) of the test module of each op folder
+    (tests/test_<op>.py for core_kernels/<op>/op.py) that declares them: an op added
+    later brings its example in its own tests (ADDING_AN_OP.md)."""
+    import importlib
+    import pathlib
+    found = {}
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for desc in sorted(root.glob("core_kernels/*/op.py")):
+        path = root / "tests" / f"test_{desc.parent.name}.py"
+        if path.exists() and "AUTOGRAD_EXAMPLES" in path.read_text():
+            found.update(importlib.import_module(path.stem).AUTOGRAD_EXAMPLES)
+    return found
+
+
+EXAMPLES.update(_examples_of_op_tests())
 ALL = sorted(OPS)
 WITH_EXAMPLE = [n for n in ALL if n in EXAMPLES]
 MUTATING = [n for n in ALL if OPS[n].mutates_args]
@@ -197,7 +216,7 @@ def _assert_same(a, b, what):
 # ------------------------------------------------------------------ generic: every registered op
 def test_every_registered_op_has_an_example():
     missing = [n for n in ALL if n not in EXAMPLES]
-    assert not missing, f"add a valid example to tests/test_autograd_safety.EXAMPLES for {missing}"
+    assert not missing, f"add a valid example (AUTOGRAD_EXAMPLES of tests/test_<op>.py) for {missing}"
     assert {"merge_attn_states", "context_attention_fwd", "lightning_attention",
             "linear_decode_forward_triton", "blocksparse_flash_attn_varlen_fwd"} <= set(ALL)
 

@@ -1,4 +1,4 @@
-"""The torch adapter's replay of repeated eager calls (adapters.torch._executor.CallMemo).
+"""The torch adapter's replay of repeated eager calls (adapters.torch._call_memo.CallMemo).
 
 A call with the layouts and host scalars of an earlier successful call runs
 that call's plan on the new tensors without the op's Python. These tests
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import adapters.torch as at
-from adapters.torch import _executor as ex
+from adapters.torch import _call_memo as cm, _executor as ex, _launcher as la, _replay as rp
 from adapters.torch import _ops_blocksparse, _ops_lightning, _ops_merge, _ops_prefix_prefill
 from core_kernels.blocksparse_attention import build_sparse_layout
 from harness import DEVICE, assert_bitwise_equal, torch_to_numpy
@@ -131,8 +131,8 @@ def test_other_layouts_miss_and_the_memo_stays_small(regular_path_calls):
 def test_layouts_that_do_not_repeat_make_no_entries_and_unused_entries_back_off(monkeypatch):
     memo = _ops_merge._MEMO
     built = []
-    orig_guard = ex._layout_guard
-    monkeypatch.setattr(ex, "_layout_guard", lambda ts: built.append(1) or orig_guard(ts))
+    orig_guard = cm._layout_guard
+    monkeypatch.setattr(cm, "_layout_guard", lambda ts: built.append(1) or orig_guard(ts))
 
     def merge(n):
         po, pl, so, sl = merge_inputs(n, n=n)
@@ -187,7 +187,7 @@ def test_gradients_take_the_regular_path():
 
 def test_layout_guard_refuses_what_the_regular_path_treats_differently():
     a = torch.randn(4, 6)
-    guard = ex._layout_guard([a])
+    guard = cm._layout_guard([a])
     if guard is None:
         pytest.skip("this torch has no TensorGuards: no memo at all")
 
@@ -258,7 +258,7 @@ def test_blocksparse_aliasing_and_scalars_are_part_of_the_match(regular_path_cal
     out_np = at.blocksparse_flash_attn_varlen_fwd(q, k, v, cu_k, None, 0.5, (crow, col),
                                                   block_size=np.int64(16))  # accepted, not recorded
     assert_bitwise_equal(torch_to_numpy(out_np), torch_to_numpy(out_a2), "numpy block_size")
-    assert all(type(s) in ex._SCALAR_TYPES for e in _ops_blocksparse._MEMO.entries for s in e.scalars)
+    assert all(type(s) in cm._SCALAR_TYPES for e in _ops_blocksparse._MEMO.entries for s in e.scalars)
 
 
 def test_index_validation_runs_on_replayed_layouts(monkeypatch):
@@ -300,7 +300,7 @@ def test_a_failed_call_is_not_recorded(regular_path_calls):
     alive = weakref.ref(wide_k)
     with pytest.raises((TypeError, ValueError), match="^k: "):
         at.blocksparse_flash_attn_varlen_fwd(q, wide_k, v, cu_k, None, None, (crow, col), block_size=16)
-    assert ex._RECORDING.state is None  # the failed call's recording was abandoned
+    assert cm._RECORDING.state is None  # the failed call's recording was abandoned
     del wide_k
     gc.collect()
     assert alive() is None
@@ -386,8 +386,8 @@ def test_gpu_replay_launches_what_the_regular_path_launches(monkeypatch):
     launched = []
     e.stub_gpu(monkeypatch.setattr, launched)
     monkeypatch.setattr(ex, "_PLANS", {})
-    monkeypatch.setattr(ex, "_PROGRAMS", {})
-    monkeypatch.setattr(ex, "_STREAM_SCRATCH", {})
+    monkeypatch.setattr(la, "_PROGRAMS", {})
+    monkeypatch.setattr(la, "_STREAM_SCRATCH", {})
     pool = {}
 
     def pooled(shape, strides, dtype=None, device=None):  # one tensor per layout: pointers repeat
@@ -395,8 +395,9 @@ def test_gpu_replay_launches_what_the_regular_path_launches(monkeypatch):
         if key not in pool:
             pool[key] = torch.empty_strided(shape, strides, dtype=dtype).fill_(float("nan"))
         return pool[key]
-    monkeypatch.setattr(ex, "_empty_strided", pooled)
-    monkeypatch.setattr(ex, "_new_empty_strided", lambda like, shape, strides: pooled(shape, strides, like.dtype))
+    monkeypatch.setattr(la, "_empty_strided", pooled)  # the regular path's allocation
+    monkeypatch.setattr(rp, "_empty_strided", pooled)  # the replay's templates
+    monkeypatch.setattr(rp, "_new_empty_strided", lambda like, shape, strides: pooled(shape, strides, like.dtype))
     regular_calls = []
     orig_cached = ex._cached
     monkeypatch.setattr(ex, "_cached", lambda *a: regular_calls.append(1) or orig_cached(*a))
@@ -478,7 +479,7 @@ def test_unaligned_views_on_stubs_launch_what_the_regular_path_launches(monkeypa
     launched = []
     e.stub_gpu(monkeypatch.setattr, launched)
     monkeypatch.setattr(ex, "_PLANS", {})
-    monkeypatch.setattr(ex, "_PROGRAMS", {})
+    monkeypatch.setattr(la, "_PROGRAMS", {})
     tables = gpu_fallbacks(monkeypatch)
     po, pl, so, sl = (x.cpu() for x in merge_inputs(60))
     out = torch.empty_like(po)
@@ -511,7 +512,7 @@ def test_cuda_graph_capture_of_replayed_calls():
         po, pl, so, sl = merge_inputs(seed)
         m_out = poisoned(po.shape)
         at.merge_attn_states(m_out, po, pl, so, sl)
-    assert any(a[4] is ex._PER_STREAM for a in _ops_blocksparse._MEMO.entries[0].prog.allocs)  # split scratch
+    assert any(a[4] is la._PER_STREAM for a in _ops_blocksparse._MEMO.entries[0].prog.allocs)  # split scratch
     q, k, v, cu_k = t
     eager = at.blocksparse_flash_attn_varlen_fwd(q, k, v, cu_k, None, None, (crow, col), block_size=16)
     graph = torch.cuda.CUDAGraph()

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from core_kernels import _index_check
-from core_kernels.blocksparse_attention import build_sparse_layout
+from core_kernels.blocksparse_attention import build_sparse_layout, check_blocksparse_attention
+from core_kernels.prefix_prefill import check_prefix_prefill
 from harness import (DEVICE, GPU, JaxAdapter, TorchAdapter, assert_bitwise_equal, requires_gpu, rng, to_jax,
                      to_torch, torch_to_numpy)
 import adapters.torch as at
@@ -204,8 +205,10 @@ class IndexValidationTests:
             raise AssertionError("index validation ran")
         monkeypatch.setattr(importlib.import_module(f"adapters.{self.adapter}._index_validation"),
                             "host_arrays", called)
-        for name in ("check_prefix_prefill", "check_blocksparse_attention", "check_linear_decode"):
-            monkeypatch.setattr(_index_check, name, called)
+        # each op's check lives in its folder; the adapters' op modules call it by that name
+        for op, name in (("prefix", "check_prefix_prefill"), ("blocksparse", "check_blocksparse_attention"),
+                         ("decode", "check_linear_decode")):
+            monkeypatch.setattr(self.module(op), name, called)
 
     # ---------------------------------------------------------- prefix prefill
     @pytest.mark.parametrize("how", ["env", "call"])
@@ -543,11 +546,11 @@ def test_environment_switch(value, on, monkeypatch):
 def test_checks_skip_malformed_shapes():
     """Shapes that do not fit each other are the planner's errors: the checks say nothing."""
     c = prefix_case()
-    _index_check.check_prefix_prefill(
+    check_prefix_prefill(
         dict(b_loc=c["b_loc"], b_start_loc=c["b_start_loc"][:2], b_seq_len=c["b_seq_len"]),
         num_tokens=5, num_blocks=8, block_size=4, max_input_len=0)
     b = blocksparse_case()
-    _index_check.check_blocksparse_attention(
+    check_blocksparse_attention(
         dict(cu_seqlens_k=b["cu_seqlens_k"], cu_seqlens_q=b["cu_seqlens_q"][:2], crow=b["crow"],
              col=b["col"]), num_q_tokens=25, num_k_tokens=53, block_size=16)
 
@@ -555,7 +558,7 @@ def test_checks_skip_malformed_shapes():
 def test_messages_say_what_and_where():
     c = PREFIX_BAD["block-id-past-cache"][0](prefix_case())
     with pytest.raises(ValueError) as err:
-        _index_check.check_prefix_prefill(
+        check_prefix_prefill(
             {n: c[n] for n in ("b_loc", "b_start_loc", "b_seq_len")}, num_tokens=5, num_blocks=8,
             block_size=4, max_input_len=3)
     assert str(err.value) == ("b_loc: entry [0, 1]: block id 8, outside the cache's [0, 8) blocks "

@@ -46,6 +46,7 @@ COMPILED = {
                                    "_bsattn_decode_group_kernel", "_bsattn_bwd_colmask_kernel",
                                    "_bsattn_bwd_dq_kernel", "_bsattn_bwd_dkdv_kernel",
                                    "_bsattn_bwd_dq_gluon_kernel", "_bsattn_bwd_dkdv_gluon_kernel"}),
+    "example_scale": (2, {"_example_scale_kernel"}),
 }
 
 
@@ -62,6 +63,14 @@ def _targets():
     """(sm_90 with Gluon, sm_90 without: the Triton fallbacks)."""
     from core_kernels._target import Target
     return Target("cuda", 90, 132, gluon=True), Target("cuda", 90, 132)
+
+
+def example_scale_cases():
+    from core_kernels.example_scale import plan_example_scale
+    hopper, _ = _targets()
+    for dtype in ("bfloat16", "float32"):
+        yield (f"example_scale {dtype}", hopper, plan_example_scale,
+               dict(x=_ai((4096, 32, 128), dtype), scale=_ai((1,), "float32")), {})
 
 
 def merge_attn_states_cases():

@@ -102,7 +102,7 @@ def report(plan, dtypes: dict, arch: int = 90, dump_dir: str | None = None):
 if __name__ == "__main__":
     from core_kernels._plan import ArrayInfo
     from core_kernels._target import Target
-    from core_kernels.lightning_attention.plan import plan_lightning_attention
+    from core_kernels.lightning_attention import plan_lightning_attention
     h200 = Target("cuda", 90, 132, gluon=True)
     for dt in ("float32", "bfloat16"):
         q = ArrayInfo.contiguous((1, 64, 4096, 128), dt)

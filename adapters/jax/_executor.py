@@ -17,7 +17,8 @@ from core_kernels._interpret import run_plan_numpy
 from core_kernels._plan import ArrayInfo, Plan, Scalar, as_float
 from core_kernels._target import Target
 
-from . import _gluon_bridge, _spmd
+from . import _gluon_bridge
+from ._host_callback import host_call
 
 _JT = None
 
@@ -41,6 +42,12 @@ def _jax_triton():
 
 def info(x) -> ArrayInfo:
     return ArrayInfo.contiguous(x.shape, jnp.dtype(x.dtype).name)
+
+
+def infos(arrays: dict, *names) -> dict:
+    """The ArrayInfo of each of ``names`` (None for an absent one), by name: a
+    planner's array arguments, passed by keyword so that no order can swap them."""
+    return {n: None if arrays.get(n) is None else info(arrays[n]) for n in names}
 
 
 def as_array(name: str, value, dtype, size: int = 1):
@@ -175,4 +182,4 @@ def _run_interpreted(plan: Plan, arrays: dict, runtime: dict) -> tuple:
         env = run_plan_numpy(plan, {n: np.asarray(v) for n, v in zip(names, values)}, runtime)
         return tuple(np.asarray(env[r]) for r in plan.results)
 
-    return _spmd.host_call(host, result_structs, [arrays[n] for n in names])
+    return host_call(host, result_structs, [arrays[n] for n in names])

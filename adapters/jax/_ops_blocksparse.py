@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from core_kernels import _index_check
+from core_kernels.blocksparse_attention.checks import check_blocksparse_attention
 from core_kernels._plan import as_float, as_int
 from core_kernels.blocksparse_attention import (NO_DECODE_CONFIG, BlocksparsePrefillConfig,
                                                 build_sparse_layout, local_strided_pattern,
@@ -16,10 +16,12 @@ from core_kernels.blocksparse_attention import (NO_DECODE_CONFIG, BlocksparsePre
                                                 plan_blocksparse_attention_backward,
                                                 plan_blocksparse_attention_lse, vllm_sparse_attn_mask)
 
-from core_kernels.op_axes import BLOCKSPARSE_VARLEN, BLOCKSPARSE_VARLEN_BACKWARD, BLOCKSPARSE_VARLEN_LSE
+from core_kernels.blocksparse_attention.op import (BLOCKSPARSE_VARLEN, BLOCKSPARSE_VARLEN_BACKWARD,
+                                                   BLOCKSPARSE_VARLEN_LSE)
 
 from . import _spmd
-from ._executor import info, run_plan, target
+from ._vmap import generic_rule, pinned, tile, unsupported, vmappable
+from ._executor import infos, run_plan, target
 from ._index_validation import check_indices, index_validation
 
 
@@ -54,7 +56,7 @@ def _arrays(q, k, v, cu_seqlens_k, cu_seqlens_q, sparse_layout, block_size, max_
     crow, col = (jnp.asarray(x) for x in sparse_layout)
     if index_validation(validate_indices, cu_seqlens_k, cu_seqlens_q, crow, col) \
             and q.ndim == 3 and k.ndim == 3:
-        check_indices(_index_check.check_blocksparse_attention,
+        check_indices(check_blocksparse_attention,
                       dict(cu_seqlens_k=cu_seqlens_k, cu_seqlens_q=cu_seqlens_q, crow=crow, col=col),
                       num_q_tokens=q.shape[0], num_k_tokens=k.shape[0], block_size=int(block_size),
                       max_seqlen=None if max_seqlen is None else int(max_seqlen))
@@ -73,7 +75,7 @@ def _options(sm_scale, block_size, q_block_size, max_seqlen) -> dict:
 
 def _planned(planner, arrays, names, **options):
     tgt = target(arrays)
-    plan = planner(tgt, *(None if arrays.get(n) is None else info(arrays[n]) for n in names), **options)
+    plan = planner(tgt, **infos(arrays, *names), **options)
     return run_plan(plan, arrays, tgt)
 
 
@@ -233,10 +235,9 @@ class LocalStridedBlockSparseAttn:
 
     def varlen_attn(self, q, k, v, cu_seqlens_k, cu_seqlens_q=None, sm_scale=None, *, config=None,
                     validate_indices=None):
-        # the package's public op: with its vmap rule and its VJP (jax.grad works)
-        from . import blocksparse_flash_attn_varlen_fwd as public
+        # the public op (bound at the end of this module): its vmap rule and VJP (jax.grad works)
         sm_scale = sm_scale or 1.0 / math.sqrt(q.shape[-1])
-        return public(
+        return blocksparse_flash_attn_varlen_fwd(
             q, k, v, cu_seqlens_k, cu_seqlens_q, sm_scale, self.sparse_layout,
             block_size=self.block_size, q_block_size=self.q_block_size, max_seqlen=self.max_seqlen,
             config=config, validate_indices=validate_indices)
@@ -314,3 +315,67 @@ def _concrete_or_raise(x):
     if value is None:
         raise ValueError("cu_seqlens: traced under jax.jit; pass total= (the packed token count)")
     return value
+
+
+# ---------------------------------------------------------------- jax.vmap: one launch (see _vmap)
+# - blocksparse_flash_attn_varlen_fwd: heads (a one-head layout stays shared when
+# unbatched, else it is broadcast to every query head). Batched cu_seqlens:
+# NotImplementedError.
+
+
+def _blocksparse_config(tgt, infos, kw):
+    from core_kernels.blocksparse_attention.plan import choose_config
+    if kw.get("config") is not None:
+        return kw["config"]
+    sm = kw.get("sm_scale")
+    qb, ms = kw.get("q_block_size"), kw.get("max_seqlen")
+    return choose_config(tgt, **{n: infos.get(n) for n in _FWD_NAMES},
+                         sm_scale=None if sm is None else float(sm),
+                         block_size=as_int("block_size", kw.get("block_size", 64)),
+                         q_block_size=None if qb is None else as_int("q_block_size", qb),
+                         max_seqlen=None if ms is None else as_int("max_seqlen", ms))
+
+
+def _blocksparse_prepare(size, batched, arrays, label):
+    """A one-head layout (homo_head) stays shared when unbatched; batched, it is
+    broadcast to every query head of its example."""
+    hq = arrays["q"].shape[-2]
+    if hq == 1 or any(arrays[n].shape[-2] != 1 for n in ("crow", "col")):
+        return arrays, (), batched
+    if not batched & {"crow", "col"}:
+        return arrays, ("crow", "col"), batched
+    arrays = dict(arrays)
+    for n in ("crow", "col"):
+        x = tile(arrays[n], n in batched, size)
+        arrays[n] = jnp.broadcast_to(x, (size, hq, x.shape[-1]))
+    return arrays, (), batched | {"crow", "col"}
+
+
+def _blocksparse_train_rule(axes):
+    """The LSE forward and the backward: heads, as the forward (their configs do
+    not depend on the head count: nothing to pin)."""
+    return generic_rule(axes.name, axes, _blocksparse_prepare)
+
+
+def _blocksparse_rule(size, batched, arrays, static, call):
+    axes = BLOCKSPARSE_VARLEN
+    for n in axes.unbatchable:
+        if n in batched:
+            raise unsupported(axes.name, n, "the examples are folded into the heads, which share "
+                               "the sequence boundaries")
+    return generic_rule(axes.name, axes, _blocksparse_prepare,
+                        pinned(_blocksparse_config))(size, batched, arrays, static, call)
+
+
+# ---------------------------------------------------------------- the public functions
+# each with its custom_vmap rule (vmappable) and, where it has a backward, its custom_vjp
+_LAYOUT = {"sparse_layout": ("crow", "col")}  # vmap: the layout's arrays, batched separately
+blocksparse_flash_attn_varlen_fwd_lse = vmappable(
+    blocksparse_flash_attn_varlen_fwd_lse, BLOCKSPARSE_VARLEN_LSE,
+    _blocksparse_train_rule(BLOCKSPARSE_VARLEN_LSE), _LAYOUT)
+blocksparse_flash_attn_varlen_backward = vmappable(
+    blocksparse_flash_attn_varlen_backward, BLOCKSPARSE_VARLEN_BACKWARD,
+    _blocksparse_train_rule(BLOCKSPARSE_VARLEN_BACKWARD), _LAYOUT)
+blocksparse_flash_attn_varlen_fwd = with_vjp(
+    vmappable(blocksparse_flash_attn_varlen_fwd, BLOCKSPARSE_VARLEN, _blocksparse_rule, _LAYOUT),
+    blocksparse_flash_attn_varlen_fwd_lse, blocksparse_flash_attn_varlen_backward)

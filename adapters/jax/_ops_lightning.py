@@ -8,15 +8,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from core_kernels import _index_check
+from core_kernels.lightning_attention.checks import check_linear_decode
 from core_kernels._plan import as_int
+from core_kernels.lightning_attention.prefill_plan import prefill_config
 from core_kernels.lightning_attention import (check_slot_ids, plan_lightning_attention,
                                               plan_lightning_attention_backward, plan_linear_decode)
 
-from core_kernels.op_axes import LIGHTNING_ATTENTION, LIGHTNING_ATTENTION_BACKWARD, LINEAR_DECODE
+from core_kernels.lightning_attention.op import LIGHTNING_ATTENTION, LIGHTNING_ATTENTION_BACKWARD, LINEAR_DECODE
 
 from . import _spmd
-from ._executor import info, run_plan, target
+from ._vmap import (decay_prepare, generic_rule, offset_ids, pinned, stack_along, unstack_along, unsupported,
+                    vmappable)
+from ._executor import infos, run_plan, target
 from ._index_validation import check_indices, index_validation
 
 
@@ -52,9 +55,7 @@ def lightning_attention(q, k, v, ed, block_size=256, kv_history=None,
 
 def _prefill(arrays, *, block_size, output_final_state_only, config):
     tgt = target(arrays)
-    history = arrays.get("kv_history")
-    plan = plan_lightning_attention(tgt, *(info(arrays[n]) for n in ("q", "k", "v", "ed")),
-                                    None if history is None else info(history),
+    plan = plan_lightning_attention(tgt, **infos(arrays, "q", "k", "v", "ed", "kv_history"),
                                     block_size=block_size,
                                     output_final_state_only=output_final_state_only, config=config)
     return run_plan(plan, arrays, tgt)
@@ -83,9 +84,7 @@ def lightning_attention_backward(q, k, v, ed, kv_history, kv, grad_output, grad_
 def _backward(arrays, *, block_size, output_final_state_only, need_grad_ed):
     tgt = target(arrays)
     plan = plan_lightning_attention_backward(
-        tgt, *(info(arrays[n]) for n in ("q", "k", "v", "ed")),
-        *(None if arrays.get(n) is None else info(arrays[n]) for n in ("kv_history", "kv", "grad_output",
-                                                                       "grad_kv")),
+        tgt, **infos(arrays, "q", "k", "v", "ed", "kv_history", "kv", "grad_output", "grad_kv"),
         block_size=block_size, output_final_state_only=output_final_state_only, need_grad_ed=need_grad_ed)
     return run_plan(plan, arrays, tgt)
 
@@ -177,7 +176,7 @@ def linear_decode_forward_triton(q, k, v, kv_caches, slope_rate, slot_idx, BLOCK
             and all(d.platform == "cpu" for d in slot_idx.devices())):
         check_slot_ids(np.asarray(slot_idx), kv_caches.shape[0])
     if index_validation(validate_indices, slot_idx) and kv_caches.ndim == 4:
-        check_indices(_index_check.check_linear_decode, dict(slot_idx=slot_idx),
+        check_indices(check_linear_decode, dict(slot_idx=slot_idx),
                       num_slots=kv_caches.shape[0])
     as_int("BLOCK_SIZE", BLOCK_SIZE, 1)  # unused (vLLM's signature), but an int all the same
     arrays = dict(q=q, k=k, v=v, kv_caches=kv_caches, slope_rate=slope_rate, slot_idx=slot_idx)
@@ -186,6 +185,51 @@ def linear_decode_forward_triton(q, k, v, kv_caches, slope_rate, slot_idx, BLOCK
 
 def _decode(arrays, *, config):
     tgt = target(arrays)
-    plan = plan_linear_decode(tgt, *(info(arrays[n]) for n in ("q", "k", "v", "kv_caches", "slope_rate",
-                                                                "slot_idx")), config=config)
+    plan = plan_linear_decode(tgt, **infos(arrays, "q", "k", "v", "kv_caches", "slope_rate", "slot_idx"),
+                              config=config)
     return run_plan(plan, arrays, tgt)
+
+
+# ---------------------------------------------------------------- jax.vmap: one launch (see _vmap)
+# - lightning_attention: batch B; heads when ``ed`` is batched.
+# - linear_decode_forward_triton: heads (output [B, H*E]: head h owns columns
+# h*E .. h*E+E-1, so heads fold example-major there too). Batched ``slot_idx``:
+# batch rows and cache slots ([V, S, ...] -> [V*S, ...], an unbatched cache
+# tiled), ids offset by v*S (-1 stays -1; an out-of-range id stays out of range).
+
+
+def _lightning_config(tgt, infos, kw):
+    return prefill_config(tgt, infos["q"], infos["k"], infos["v"], infos["ed"], infos.get("kv_history"),
+                          block_size=as_int("block_size", kw.get("block_size", 256)),
+                          output_final_state_only=bool(kw.get("output_final_state_only", False)),
+                          config=kw.get("config"))
+
+
+def _lightning_rule(size, batched, arrays, static, call):
+    return generic_rule("lightning_attention", LIGHTNING_ATTENTION, decay_prepare("ed"),
+                        pinned(_lightning_config))(size, batched, arrays, static, call)
+
+
+def _decode_rule(size, batched, arrays, static, call):
+    axes = LINEAR_DECODE
+    if "slot_idx" not in batched:
+        return generic_rule(axes.name, axes, decay_prepare("slope_rate"))(
+            size, batched, arrays, static, call)
+    if "slope_rate" in batched:
+        raise unsupported(axes.name, "slope_rate", "with slot_idx batched the examples are folded "
+                           "into the batch rows, which share the heads' slopes")
+    cache = arrays["kv_caches"]
+    slots = cache.shape[-4]
+    folded = {n: stack_along(arrays[n], n in batched, size, 0) for n in ("q", "k", "v", "kv_caches")}
+    ids = offset_ids(arrays["slot_idx"], True, size, slots)
+    out, new_cache = call(**folded, slope_rate=arrays["slope_rate"], slot_idx=ids, **static)
+    return unstack_along(out, size, 0), unstack_along(new_cache, size, 0)
+
+
+# ---------------------------------------------------------------- the public functions
+# each with its custom_vmap rule (vmappable) and, where it has a backward, its custom_vjp
+lightning_attention_backward = vmappable(lightning_attention_backward, LIGHTNING_ATTENTION_BACKWARD,
+                                         prepare=decay_prepare("ed"))
+lightning_attention = with_vjp(vmappable(lightning_attention, LIGHTNING_ATTENTION, _lightning_rule),
+                               lightning_attention_backward)
+linear_decode_forward_triton = vmappable(linear_decode_forward_triton, LINEAR_DECODE, _decode_rule)

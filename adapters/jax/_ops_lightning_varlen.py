@@ -7,15 +7,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from core_kernels.lightning_attention.varlen_plan import varlen_config
 from core_kernels.lightning_attention import (check_varlen_host_data, plan_lightning_attention_varlen,
                                               plan_lightning_attention_varlen_backward)
 
-from core_kernels import _index_check
+from core_kernels.lightning_attention.checks import check_lightning_varlen
 
-from core_kernels.op_axes import LIGHTNING_VARLEN, LIGHTNING_VARLEN_BACKWARD
+from core_kernels.lightning_attention.op import LIGHTNING_VARLEN, LIGHTNING_VARLEN_BACKWARD
 
 from . import _spmd
-from ._executor import info, run_plan, target
+from ._vmap import (decay_prepare, generic_rule, offset_ids, per_example, pinned, rebase_offsets, stack_along,
+                    tile, unstack_along, unsupported, vmappable)
+from ._executor import infos, run_plan, target
 from ._index_validation import check_indices, index_validation
 from ._ops_lightning import output_cotangents
 
@@ -66,14 +69,12 @@ def lightning_attention_varlen(q, k, v, ed, cu_seqlens, *, kv_cache=None, slot_i
         arrays["slot_idx"] = slot_idx
     tgt = target(arrays)
     plan = plan_lightning_attention_varlen(  # validates before the host checks
-        tgt, info(q), info(k), info(v), info(ed), info(cu_seqlens),
-        None if kv_cache is None else info(kv_cache), None if slot_idx is None else info(slot_idx),
-        block_size=block_size, config=config)
+        tgt, **infos(arrays, "q", "k", "v", "ed", "cu_seqlens", "kv_cache", "slot_idx"), block_size=block_size, config=config)
     check_varlen_host_data(np.asarray(cu_seqlens) if _host(cu_seqlens) else None, q.shape[0],
                            np.asarray(slot_idx) if slot_idx is not None and _host(slot_idx) else None,
                            0 if kv_cache is None else kv_cache.shape[0])
     if index_validation(validate_indices, cu_seqlens, slot_idx):
-        check_indices(_index_check.check_lightning_varlen,
+        check_indices(check_lightning_varlen,
                       dict(cu_seqlens=cu_seqlens, slot_idx=slot_idx), num_tokens=q.shape[0],
                       num_slots=0 if kv_cache is None else kv_cache.shape[0])
     return _spmd.call(LIGHTNING_VARLEN, _varlen, arrays, block_size=block_size, config=config,
@@ -83,9 +84,7 @@ def lightning_attention_varlen(q, k, v, ed, cu_seqlens, *, kv_cache=None, slot_i
 def _varlen(arrays, *, block_size, config):
     tgt = target(arrays)
     plan = plan_lightning_attention_varlen(
-        tgt, *(info(arrays[n]) for n in ("q", "k", "v", "ed", "cu_seqlens")),
-        *(None if n not in arrays else info(arrays[n]) for n in ("kv_cache", "slot_idx")),
-        block_size=block_size, config=config)
+        tgt, **infos(arrays, "q", "k", "v", "ed", "cu_seqlens", "kv_cache", "slot_idx"), block_size=block_size, config=config)
     return run_plan(plan, arrays, tgt)
 
 
@@ -108,8 +107,7 @@ def lightning_attention_varlen_backward(q, k, v, ed, cu_seqlens, kv, grad_output
 def _varlen_backward(arrays, *, need_grad_ed):
     tgt = target(arrays)
     plan = plan_lightning_attention_varlen_backward(
-        tgt, *(info(arrays[n]) for n in ("q", "k", "v", "ed", "cu_seqlens", "kv", "grad_output")),
-        *(None if n not in arrays else info(arrays[n]) for n in ("grad_kv", "kv_history")),
+        tgt, **infos(arrays, "q", "k", "v", "ed", "cu_seqlens", "kv", "grad_output", "grad_kv", "kv_history"),
         need_grad_ed=need_grad_ed)
     return run_plan(plan, arrays, tgt)
 
@@ -176,3 +174,46 @@ def with_vjp(forward, backward):
         return varlen(*primals)
 
     return lightning_attention_varlen
+
+
+# ---------------------------------------------------------------- jax.vmap: one launch (see _vmap)
+# - lightning_attention_varlen: heads. Batched cu_seqlens / slot_idx: tokens
+# ([T, ...] -> [V*T, ...]) with cu_seqlens re-based by v*T, caches concatenated
+# along slots with ids offset as for decode; final states [B, ...] -> [V*B, ...].
+
+
+def _varlen_config(tgt, infos, kw):
+    return varlen_config(tgt, infos["q"], infos["k"], infos["v"], infos["ed"], infos["cu_seqlens"],
+                         infos.get("kv_cache"), infos.get("slot_idx"), block_size=kw.get("block_size", 256),
+                         config=kw.get("config"))
+
+
+def _varlen_rule(size, batched, arrays, static, call):
+    axes = LIGHTNING_VARLEN
+    if not batched & {"cu_seqlens", "slot_idx"}:
+        return generic_rule(axes.name, axes, decay_prepare("ed"),
+                            pinned(_varlen_config))(size, batched, arrays, static, call)
+    if "ed" in batched:
+        raise unsupported(axes.name, "ed", "with cu_seqlens / slot_idx batched the examples are "
+                           "folded into the tokens, which share the heads' decays")
+    t = arrays["q"].shape[-3]
+    folded = {n: stack_along(arrays[n], n in batched, size, 0) for n in ("q", "k", "v")}
+    folded["cu_seqlens"] = rebase_offsets(arrays["cu_seqlens"], "cu_seqlens" in batched, size, t)
+    cache, ids = arrays.get("kv_cache"), arrays.get("slot_idx")
+    if cache is not None:
+        slots = cache.shape[-4]
+        folded["kv_cache"] = stack_along(cache, "kv_cache" in batched, size, 0)
+        folded["slot_idx"] = offset_ids(ids, "slot_idx" in batched, size, slots)
+    elif ids is not None:
+        folded["slot_idx"] = tile(ids, "slot_idx" in batched, size).reshape(-1)
+    kw = pinned(_varlen_config)(dict(static), per_example(arrays, batched))
+    out, state = call(**folded, ed=arrays["ed"], **kw)
+    return unstack_along(out, size, 0), unstack_along(state, size, 0)
+
+
+# ---------------------------------------------------------------- the public functions
+# each with its custom_vmap rule (vmappable) and, where it has a backward, its custom_vjp
+lightning_attention_varlen_backward = vmappable(lightning_attention_varlen_backward, LIGHTNING_VARLEN_BACKWARD,
+                                                prepare=decay_prepare("ed"))
+lightning_attention_varlen = with_vjp(vmappable(lightning_attention_varlen, LIGHTNING_VARLEN, _varlen_rule),
+                                      lightning_attention_varlen_backward)

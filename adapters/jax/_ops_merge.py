@@ -7,13 +7,14 @@ import jax
 import jax.numpy as jnp
 
 from core_kernels._plan import as_int
-from core_kernels.op_axes import MASK_EMPTY_CONTEXT_LSE, MERGE_ATTN_STATES, MERGE_ATTN_STATES_BACKWARD
+from core_kernels.merge_attn_states.op import MASK_EMPTY_CONTEXT_LSE, MERGE_ATTN_STATES, MERGE_ATTN_STATES_BACKWARD
 from core_kernels.merge_attn_states import (NO_FP8_BACKWARD, check_prefill_tokens_with_context,
                                            plan_mask_empty_context_lse, plan_merge_attn_states,
                                            plan_merge_attn_states_backward)
 
 from . import _spmd
-from ._executor import as_array, info, is_device_data, run_plan, scale_array, target
+from ._vmap import generic_rule, stack_along, tile, unstack_along, unsupported, vmappable
+from ._executor import as_array, infos, is_device_data, run_plan, scale_array, target
 
 
 def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
@@ -49,13 +50,11 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
 
 def _merge(arrays, *, config, output_dtype):
     tgt = target(arrays)
-    count, scale = arrays.get("prefill_tokens_with_context"), arrays.get("output_scale")
+    count = arrays.get("prefill_tokens_with_context")
     plan = plan_merge_attn_states(
-        tgt, *(info(arrays[n]) for n in ("prefix_output", "prefix_lse", "suffix_output", "suffix_lse")),
-        num_ctx="none" if count is None else "array",
-        output_scale=None if scale is None else info(scale),
-        prefill_tokens_with_context=None if count is None else info(count),
-        output_dtype=output_dtype, config=config)
+        tgt, **infos(arrays, "prefix_output", "prefix_lse", "suffix_output", "suffix_lse", "output_scale",
+                     "prefill_tokens_with_context"),
+        num_ctx="none" if count is None else "array", output_dtype=output_dtype, config=config)
     return run_plan(plan, arrays, tgt)
 
 
@@ -92,11 +91,10 @@ def merge_attn_states_backward(prefix_output, prefix_lse, suffix_output, suffix_
 
 def _merge_backward(arrays, *, config):
     tgt = target(arrays)
-    count, glse = arrays.get("prefill_tokens_with_context"), arrays.get("grad_output_lse")
+    count = arrays.get("prefill_tokens_with_context")
     plan = plan_merge_attn_states_backward(
-        tgt, *(info(arrays[n]) for n in ("prefix_output", "prefix_lse", "suffix_output", "suffix_lse",
-                                         "grad_output")),
-        None if glse is None else info(glse), None if count is None else info(count),
+        tgt, **infos(arrays, "prefix_output", "prefix_lse", "suffix_output", "suffix_lse", "grad_output",
+                     "grad_output_lse", "prefill_tokens_with_context"),
         num_ctx="none" if count is None else "array", config=config)
     return run_plan(plan, arrays, tgt)
 
@@ -167,6 +165,71 @@ def mask_empty_context_lse(lse, query_start_loc, context_start_loc):
 
 def _mask(arrays):
     tgt = target(arrays)
-    plan = plan_mask_empty_context_lse(tgt, *(info(arrays[n]) for n in
-                                              ("lse", "query_start_loc", "context_start_loc")))
+    plan = plan_mask_empty_context_lse(tgt, **infos(arrays, "lse", "query_start_loc", "context_start_loc"))
     return run_plan(plan, arrays, tgt)
+
+
+# ---------------------------------------------------------------- jax.vmap: one launch (see _vmap)
+# - merge_attn_states: heads ([N, H, D] -> [N, V*H, D], LSE [H, N] -> [V*H, N]).
+# A batched ``prefill_tokens_with_context`` (one count per example; the launch
+# takes one count): tokens are gathered into one order where every example's
+# merged tokens (t < count_v) come first, the launch count is their total, and
+# the results are scattered back (a per-token op, so bitwise equal). A batched
+# ``output_scale`` raises NotImplementedError (one scale per launch: dividing
+# inputs instead would change the rounding).
+# - mask_empty_context_lse: heads. Batched start locs: tokens ([H, T] ->
+# [H, V*T]) with query starts offset by v*T and context starts shifted so that
+# the junction between two examples is a non-empty "request" (untouched, as
+# tokens of no request are).
+
+
+def _merge_rule(size, batched, arrays, static, call):
+    op = "merge_attn_states"
+    if "output_scale" in batched:
+        raise unsupported(op, "output_scale", "one scale per launch; pass one shared scale")
+    if "prefill_tokens_with_context" not in batched:
+        return generic_rule(op, MERGE_ATTN_STATES)(size, batched, arrays, static, call)
+    # one count per example: gather every example's merged tokens (t < count) first, then
+    # the copied ones; the launch's count is the number of merged tokens (see the docstring)
+    po, pl, so, sl = (tile(arrays[n], n in batched, size) for n in
+                      ("prefix_output", "prefix_lse", "suffix_output", "suffix_lse"))
+    n = po.shape[1]
+    count = jnp.clip(arrays["prefill_tokens_with_context"].reshape(size).astype(jnp.int32), 0, n)
+    t = jnp.arange(n, dtype=jnp.int32)
+    key = ((t[None, :] >= count[:, None]).astype(jnp.int32) * (size * n)
+           + jnp.arange(size, dtype=jnp.int32)[:, None] * n + t[None, :]).reshape(-1)
+    perm = jnp.argsort(key)
+    inverse = jnp.argsort(perm)
+    tokens = lambda x: x.reshape((size * n,) + x.shape[2:])[perm]            # noqa: E731
+    lse = lambda x: jnp.moveaxis(x, 0, 1).reshape(x.shape[1], size * n)[:, perm]  # noqa: E731
+    out, out_lse = call(tokens(po), lse(pl), tokens(so), lse(sl),
+                        prefill_tokens_with_context=jnp.sum(count), **static)
+    out = out[inverse].reshape((size, n) + out.shape[1:])
+    out_lse = jnp.moveaxis(out_lse[:, inverse].reshape(out_lse.shape[0], size, n), 1, 0)
+    return out, out_lse
+
+
+def _mask_rule(size, batched, arrays, static, call):
+    axes = MASK_EMPTY_CONTEXT_LSE
+    starts = {"query_start_loc", "context_start_loc"}
+    if not batched & starts:
+        return generic_rule(axes.name, axes)(size, batched, arrays, static, call)
+    lse = arrays["lse"]
+    t = lse.shape[-1]
+    qsl = tile(arrays["query_start_loc"], "query_start_loc" in batched, size)
+    csl = tile(arrays["context_start_loc"], "context_start_loc" in batched, size)
+    qsl = (qsl + (jnp.arange(size, dtype=qsl.dtype) * t)[:, None]).reshape(-1)
+    # shift each example's context starts so that the "request" spanning the junction
+    # between two examples (tokens of no request) has a non-empty context: left as it is
+    step = csl[:-1, -1] - csl[1:, 0] + 1
+    shift = jnp.concatenate([jnp.zeros((1,), csl.dtype), jnp.cumsum(step).astype(csl.dtype)])
+    csl = (csl + shift[:, None]).reshape(-1)
+    out = call(stack_along(lse, "lse" in batched, size, 1), qsl, csl, **static)
+    return unstack_along(out, size, 1)
+
+
+# ---------------------------------------------------------------- the public functions
+# each with its custom_vmap rule (vmappable) and, where it has a backward, its custom_vjp
+merge_attn_states_backward = vmappable(merge_attn_states_backward, MERGE_ATTN_STATES_BACKWARD)
+merge_attn_states = with_vjp(vmappable(merge_attn_states, MERGE_ATTN_STATES, _merge_rule), merge_attn_states_backward)
+mask_empty_context_lse = vmappable(mask_empty_context_lse, MASK_EMPTY_CONTEXT_LSE, _mask_rule)

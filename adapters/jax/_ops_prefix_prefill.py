@@ -4,14 +4,17 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from core_kernels import _index_check
-from core_kernels._plan import INT32_MAX, as_float, as_int
+from core_kernels.prefix_prefill.checks import check_prefix_prefill
+from core_kernels._plan import INT32_MAX, ArrayInfo, as_float, as_int
 from core_kernels.prefix_prefill import plan_prefix_prefill
+from core_kernels.prefix_prefill.plan import prefix_prefill_config
 
-from core_kernels.op_axes import CONTEXT_ATTENTION_FWD
+from core_kernels.prefix_prefill.op import CONTEXT_ATTENTION_FWD
 
 from . import _spmd
-from ._executor import info, run_plan, scale_array, target
+from ._vmap import (fold_arrays, offset_ids, per_example, pinned, rebase_offsets, stack_along, unstack_along,
+                    unsupported, vmappable)
+from ._executor import infos, run_plan, scale_array, target
 from ._index_validation import buffer_address, check_indices, index_validation
 
 
@@ -72,12 +75,9 @@ def context_attention_fwd(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_l
 
 def _context_attention(arrays, **options):
     tgt = target(arrays)
-    infos = {n: info(x) for n, x in arrays.items()}
     plan = plan_prefix_prefill(
-        tgt,
-        *(infos.get(n) for n in ("q", "k", "v", "k_cache", "v_cache", "b_loc", "b_start_loc",
-                                 "b_seq_len", "output", "k_scale", "v_scale", "alibi_slopes",
-                                 "sinks", "fp8_out_scale")), **options)
+        tgt, **infos(arrays, "q", "k", "v", "k_cache", "v_cache", "b_loc", "b_start_loc", "b_seq_len",
+                     "output", "k_scale", "v_scale", "alibi_slopes", "sinks", "fp8_out_scale"), **options)
     return run_plan(plan, arrays, tgt)
 
 
@@ -86,7 +86,7 @@ def _check_indices(q, k, k_cache, b_loc, b_start_loc, b_seq_len, max_input_len, 
     """Index validation (one host transfer); malformed arguments are left to the planner."""
     if q.ndim != 3 or k_cache.ndim != 5:
         return
-    check_indices(_index_check.check_prefix_prefill,
+    check_indices(check_prefix_prefill,
                   dict(b_loc=b_loc, b_start_loc=b_start_loc, b_seq_len=b_seq_len),
                   num_tokens=q.shape[0], num_blocks=k_cache.shape[0], block_size=k_cache.shape[3],
                   max_input_len=q.shape[0] if max_input_len is None else int(max_input_len),
@@ -96,3 +96,70 @@ def _check_indices(q, k, k_cache, b_loc, b_start_loc, b_seq_len, max_input_len, 
                   k_cache_address=buffer_address(k_cache) if is_block_table_ptr else None,
                   block_bytes=int(np.prod(k_cache.shape[1:])) * jnp.dtype(k_cache.dtype).itemsize,
                   max_seq_len=int(max_seq_len or 0))
+
+
+# ---------------------------------------------------------------- jax.vmap: one launch (see _vmap)
+# - context_attention_fwd: heads when the index data (b_loc, b_start_loc,
+# b_seq_len) is shared; else tokens: q/k/v/output tokens stacked, sequences
+# stacked along the batch, caches concatenated along blocks with block ids
+# offset by v * num_blocks and b_start_loc re-based by v*T. Batched k_scale /
+# v_scale / fp8_out_scale (one per launch), and alibi_slopes / sinks together
+# with batched index data, raise NotImplementedError.
+
+
+_INDEX = ("b_loc", "b_start_loc", "b_seq_len")
+
+
+def _prefix_config(tgt, infos, kw):
+    """The tiles (and gather decision) a per-example call chooses: the gather
+    decision depends on the batch's scratch size."""
+    if kw.get("is_block_table_ptr"):
+        return kw.get("config")
+    scale = ArrayInfo.contiguous((1,), "float32")
+    fp8_cache = kw.get("kv_cache_dtype", "auto") != "auto" or infos["k_cache"].dtype.startswith("float8")
+    sw, sm, mil = kw.get("sliding_window"), kw.get("sm_scale"), kw.get("max_input_len")
+    return prefix_prefill_config(
+        *(infos.get(n) for n in ("q", "k", "v", "k_cache", "v_cache") + _INDEX), output=infos.get("output"),
+        k_scale=scale if fp8_cache else None, v_scale=scale if fp8_cache else None,
+        alibi_slopes=infos.get("alibi_slopes"), sinks=infos.get("sinks"),
+        fp8_out_scale=None if kw.get("fp8_out_scale") is None and "fp8_out_scale" not in infos else scale,
+        max_input_len=infos["q"].shape[0] if mil is None else as_int("max_input_len", mil),
+        kv_cache_dtype=kw.get("kv_cache_dtype", "auto"),
+        sliding_window=None if sw is None else as_int("sliding_window", sw),
+        sm_scale=None if sm is None else float(sm), skip_decode=bool(kw.get("skip_decode", False)),
+        causal=bool(kw.get("causal", True)), v_pack=as_int("v_pack", kw.get("interleaved_v_pack_factor", 0)),
+        config=kw.get("config"))
+
+
+def _context_rule(size, batched, arrays, static, call):
+    axes = CONTEXT_ATTENTION_FWD
+    op = axes.name
+    for n in axes.unbatchable:
+        if n in batched:
+            raise unsupported(op, n, "one scale applies to the whole launch")
+    if static.get("is_block_table_ptr"):
+        raise unsupported(op, "b_loc", "is_block_table_ptr: block addresses cannot be re-based "
+                           "onto a folded cache")
+    kw = pinned(_prefix_config)(dict(static), per_example(arrays, batched))
+    if not batched & set(_INDEX):  # shared index data: fold into the heads (kv heads grouped)
+        folded = fold_arrays(axes, "heads", size, batched, arrays)
+        return unstack_along(call(**folded, **kw), size, 1)
+    for n in ("alibi_slopes", "sinks"):
+        if n in batched:
+            raise unsupported(op, n, "with the index data batched the examples are folded into "
+                               "the tokens, which share the heads' values")
+    t = arrays["q"].shape[-3]
+    blocks = arrays["k_cache"].shape[1 if "k_cache" in batched else 0]
+    folded = {n: None if arrays.get(n) is None else stack_along(arrays[n], n in batched, size, 0)
+              for n in ("q", "k", "v", "k_cache", "v_cache", "output", "b_seq_len")}
+    folded["b_loc"] = offset_ids(arrays["b_loc"], "b_loc" in batched, size, blocks)
+    folded["b_start_loc"] = rebase_offsets(arrays["b_start_loc"], "b_start_loc" in batched, size, t)
+    for n in ("alibi_slopes", "sinks", "k_scale", "v_scale", "fp8_out_scale"):
+        if n in arrays:
+            folded[n] = arrays[n]
+    return unstack_along(call(**folded, **kw), size, 0)
+
+
+# ---------------------------------------------------------------- the public functions
+# each with its custom_vmap rule (vmappable) and, where it has a backward, its custom_vjp
+context_attention_fwd = vmappable(context_attention_fwd, CONTEXT_ATTENTION_FWD, _context_rule)

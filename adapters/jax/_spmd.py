@@ -54,21 +54,19 @@ each launch is a ``triton_kernel_call`` custom call (jax-triton's target), which
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import threading
 from typing import Callable, Optional
 
 import jax
-import numpy as np
-from jax.extend.core import Primitive
-from jax.interpreters import mlir
 from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor, SdyShardingRule,
                                                  custom_partitioning)
 from jax.sharding import NamedSharding, PartitionSpec
 
 from core_kernels.op_axes import OpAxes, fit_labels
+
+from ._executor import target
+from ._host_callback import Slot, active, register_p
 
 # A resolved dimension: None (replicated), or (label, multiple): the dimension
 # is the label's extent times ``multiple`` (1: the label itself; > 1: each
@@ -135,8 +133,8 @@ def call(axes: OpAxes, impl: Callable, arrays: dict, *, direct: Optional[Callabl
         raise AssertionError(f"{axes.name}: arrays {unknown} are not described in its OpAxes")
     if _interpreted():
         first = names[0]
-        slot = _Slot()
-        arrays = dict(arrays, **{first: _register_p.bind(arrays[first], slot=slot)})
+        slot = Slot()
+        arrays = dict(arrays, **{first: register_p.bind(arrays[first], slot=slot)})
     else:
         slot = None
     spec = _Spec(axes, impl, (axes.name, getattr(impl, "__qualname__", repr(impl))), names,
@@ -237,7 +235,7 @@ def _partition(spec, mesh, arg_shapes, result_shape):
                              for d in _result_dims(spec, _shapes(result_shape)))
 
     def lower(*operands):
-        with _active(spec.slot):
+        with active(spec.slot):
             return _run(spec, *operands)
     return mesh, lower, result_shardings, arg_shardings
 
@@ -278,81 +276,5 @@ def _rule(spec, mesh, operand_types, result_types):
 _partitioned.def_partition(_partition, infer_sharding_from_operands=_infer, sharding_rule=_rule)
 
 
-# ---------------------------------------------------------------- interpreter: host callbacks
-# NOTE: a host callback (jax.pure_callback) inside a custom_partitioning lower
-# function is compiled into a separate module whose callback list is dropped:
-# its index then points into the outer executable's list (measured: a
-# segfault on JAX 0.10.2). So the outer program registers one trampoline per
-# partitioned call (``_register_p``, an identity on the first operand), and
-# the lower function's launch emits its callback with that trampoline's index
-# (``_host_p``); the trampoline forwards to the shard's callback, which every
-# device runs on its own local shards.
-class _Slot:
-    def __init__(self):
-        self.index, self.fn = None, None
-
-    def __call__(self, *args):
-        if self.fn is None:
-            raise RuntimeError("partitioned host callback: the partitioned launch was never lowered")
-        return self.fn(*args)
-
-
 def _interpreted() -> bool:
-    from ._executor import target
     return target().interpret
-
-
-_register_p = Primitive("tandem_spmd_host_slot")
-_register_p.def_impl(lambda x, *, slot: x)
-_register_p.def_abstract_eval(lambda x, *, slot: x)
-
-
-def _register_lowering(ctx, x, *, slot):
-    ctx.module_context.add_host_callback(slot)
-    slot.index = len(ctx.module_context.host_callbacks) - 1
-    return [x]
-
-
-mlir.register_lowering(_register_p, _register_lowering, cacheable=False)
-
-_host_p = Primitive("tandem_spmd_host_call")
-_host_p.multiple_results = True
-_host_p.def_abstract_eval(lambda *args, host, slot, results: [jax.core.ShapedArray(s.shape, s.dtype)
-                                                                for s in results])
-
-
-def _host_lowering(ctx, *args, host, slot, results):
-    from jax._src import callback as cb
-    if slot.index is None:
-        raise RuntimeError("partitioned host callback: no slot registered in the outer program")
-    module = ctx.module_context.replace(host_callbacks=[None] * slot.index)
-    sharding = cb._callback_op_sharding(ctx.module_context.axis_context, None, ctx.avals_out)
-    outs, _, slot.fn = cb.emit_python_callback(
-        ctx.replace(module_context=module), lambda *a: tuple(host(*a)), None, list(args),
-        ctx.avals_in, ctx.avals_out, has_side_effect=False, returns_token=False, sharding=sharding)
-    return outs
-
-
-mlir.register_lowering(_host_p, _host_lowering, cacheable=False)
-
-_LOCAL = threading.local()
-
-
-@contextlib.contextmanager
-def _active(slot):
-    prev = getattr(_LOCAL, "slot", None)
-    _LOCAL.slot = slot
-    try:
-        yield
-    finally:
-        _LOCAL.slot = prev
-
-
-def host_call(host, result_structs, args):
-    """The executor's host callback: ``jax.pure_callback`` except inside a
-    partitioned lower function on the interpreter (see the NOTE above)."""
-    slot = getattr(_LOCAL, "slot", None)
-    if slot is None:
-        return jax.pure_callback(host, result_structs, *args, vmap_method="sequential")
-    _LOCAL.slot = None                  # one launch per slot
-    return tuple(_host_p.bind(*args, host=host, slot=slot, results=tuple(result_structs)))

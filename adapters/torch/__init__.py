@@ -15,6 +15,7 @@ from ._ops_lightning_varlen import lightning_attention_varlen
 
 __all__ += ["lightning_attention_varlen"]
 
+from ._ops_example_scale import example_scale  # noqa: E402,F401  (the example op: ADDING_AN_OP.md)
 from . import _dtensor
 
 _dtensor.install()  # DTensor sharding rules, registered once torch.distributed.tensor is imported

@@ -37,20 +37,8 @@ from core_kernels import op_axes
 
 from ._register import NAMESPACE, OPS
 
-# torch op name -> OpAxes name, where one OpAxes describes two torch ops
-_OP_NAMES = {"lightning_attention_varlen_cache": "lightning_attention_varlen",
-             "merge_attn_states_functional": "merge_attn_states"}
-# torch argument name -> OpAxes argument name, where the torch signature renames one
-_ARG_NAMES = {
-    "merge_attn_states": {"prefill_tokens_with_context_tensor": "prefill_tokens_with_context"},
-    "merge_attn_states_functional": {"prefill_tokens_with_context_tensor": "prefill_tokens_with_context"},
-    "merge_attn_states_backward": {"prefill_tokens_with_context_tensor": "prefill_tokens_with_context"},
-    "context_attention_fwd": {"o": "output"},
-}
-# flags under which a tensor holds device addresses of another tensor's storage: a
-# redistributed copy (or a local shard) lives elsewhere, so such a call runs only on
-# arrays that are replicated already (then DTensor copies nothing)
-_ADDRESS_FLAGS = {"context_attention_fwd": ("is_block_table_ptr",)}
+# Each op's description (OpAxes) and the torch signature's renames of its arguments come
+# with its registration (custom_op's axes= and renamed=): this module names no op.
 
 _lock = threading.Lock()
 _registered = False
@@ -72,7 +60,7 @@ def op_strategies(name: str, axes: op_axes.OpAxes, schema, mutated, args, kwargs
     values = dict(zip(names, args))
     values.update(kwargs)
     order = names[:len(args)] + list(kwargs)  # DTensor's order: positional, then keywords
-    renamed = _ARG_NAMES.get(name, {})
+    renamed = OPS[name].renamed
     specs = {n: v for n, v in values.items() if isinstance(v, DTensorSpec)}
     present = {renamed.get(n, n) for n, v in values.items() if v is not None}
     mesh = next(iter(specs.values())).mesh
@@ -144,7 +132,7 @@ def op_strategies(name: str, axes: op_axes.OpAxes, schema, mutated, args, kwargs
                 else:
                     why_not[label] = reason
 
-    flags = [f for f in _ADDRESS_FLAGS.get(name, ()) if values.get(f)]
+    flags = [f for f in axes.address_flags if values.get(f)]
     if flags:
         moved = [n for n, s in specs.items() if not s.is_replicated()]
         if moved:
@@ -202,9 +190,9 @@ def _in_place(name, mesh, order, specs, mutated, candidates, why_not):
 def unsupported_arguments(name: str) -> list[str]:
     """Tensor arguments of a registered op that its OpAxes does not describe
     (such a call is replicated only); empty when the description is complete."""
-    axes = op_axes.OPS.get(_OP_NAMES.get(name, name))
+    axes = OPS[name].axes
     schema = OPS[name].op._opoverload._schema
-    renamed = _ARG_NAMES.get(name, {})
+    renamed = OPS[name].renamed
     if axes is None:
         return ["<op>"]
     return [a.name for a in schema.arguments
@@ -223,7 +211,7 @@ def register() -> bool:
             return False
         from torch.distributed.tensor.experimental import register_sharding
         for name, call in OPS.items():
-            axes = op_axes.OPS.get(_OP_NAMES.get(name, name))
+            axes = call.axes
             if axes is None:  # an op no OpAxes describes: DTensor refuses it (NotImplementedError)
                 continue
             overload = call.op._opoverload

@@ -8,13 +8,15 @@ import math
 import numpy as np
 import torch
 
-from core_kernels import _index_check
+from core_kernels.blocksparse_attention.checks import check_blocksparse_attention
 from core_kernels._plan import as_float, as_int, decode_config, encode_config
 from core_kernels.blocksparse_attention import (NO_DECODE_CONFIG, BlocksparsePrefillConfig,
                                                 build_sparse_layout, local_strided_pattern,
                                                 get_head_sliding_step, plan_blocksparse_attention,
                                                 plan_blocksparse_attention_backward,
                                                 plan_blocksparse_attention_lse, vllm_sparse_attn_mask)
+from core_kernels.blocksparse_attention.op import (BLOCKSPARSE_VARLEN, BLOCKSPARSE_VARLEN_BACKWARD,
+                                                   BLOCKSPARSE_VARLEN_LSE)
 
 from ._executor import CallMemo, execute, planned, run_plan
 from ._index_validation import check_indices, index_validation
@@ -81,7 +83,8 @@ def _backward_fake(q, k, v, output, lse, grad_output, *rest):
     return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
-_backward_op = custom_op("blocksparse_flash_attn_varlen_backward", _backward_impl, fake=_backward_fake)
+_backward_op = custom_op("blocksparse_flash_attn_varlen_backward", _backward_impl, fake=_backward_fake,
+                         axes=BLOCKSPARSE_VARLEN_BACKWARD)
 
 
 def _setup_context(ctx, inputs, output):
@@ -102,7 +105,7 @@ def _backward(ctx, grad_output, grad_lse):
 
 
 _lse_op = custom_op("blocksparse_flash_attn_varlen_fwd_lse", _lse_impl, fake=_lse_fake,
-                    autograd=(_backward, _setup_context))
+                    autograd=(_backward, _setup_context), axes=BLOCKSPARSE_VARLEN_LSE)
 
 
 def _bsattn_differentiable(q, k, v, cu_seqlens_k, cu_seqlens_q, crow, col, sm_scale, block_size,
@@ -117,7 +120,7 @@ def _bsattn_differentiable(q, k, v, cu_seqlens_k, cu_seqlens_q, crow, col, sm_sc
 
 _bsattn_op = custom_op("blocksparse_flash_attn_varlen_fwd", _bsattn_impl,
                        fake=lambda q, *args: torch.empty_like(q, memory_format=torch.contiguous_format),
-                       differentiable=_bsattn_differentiable)
+                       differentiable=_bsattn_differentiable, axes=BLOCKSPARSE_VARLEN)
 
 
 _MEMO = CallMemo(("q", "k", "v", "cu_seqlens_k", "cu_seqlens_q", "crow", "col"))
@@ -186,7 +189,7 @@ def _check_indices(q, k, cu_seqlens_k, cu_seqlens_q, crow, col, block_size, max_
     if not (isinstance(q, torch.Tensor) and q.dim() == 3 and isinstance(k, torch.Tensor)
             and k.dim() == 3):
         return
-    check_indices(_index_check.check_blocksparse_attention,
+    check_indices(check_blocksparse_attention,
                   dict(cu_seqlens_k=cu_seqlens_k, cu_seqlens_q=cu_seqlens_q, crow=crow, col=col),
                   num_q_tokens=q.shape[0], num_k_tokens=k.shape[0], block_size=int(block_size),
                   max_seqlen=None if max_seqlen is None else int(max_seqlen))

@@ -6,11 +6,12 @@ from typing import Optional
 
 import torch
 
-from core_kernels import _index_check
+from core_kernels.lightning_attention.checks import check_linear_decode
 from core_kernels._plan import as_int, decode_config, encode_config
 from core_kernels.lightning_attention import (check_slot_ids, plan_lightning_attention,
                                               plan_lightning_attention_backward, plan_linear_decode,
                                               prefill_state_shape)
+from core_kernels.lightning_attention.op import LIGHTNING_ATTENTION, LIGHTNING_ATTENTION_BACKWARD, LINEAR_DECODE
 
 from ._executor import CallMemo, execute, planned, run_plan
 from ._index_validation import check_indices, index_validation
@@ -54,7 +55,8 @@ def _backward_fake(q, k, v, ed, kv_history, kv, grad_output, grad_kv, *options):
             q.new_empty((b, h, d, e), dtype=torch.float32), q.new_empty((h,), dtype=torch.float32))
 
 
-_backward_op = custom_op("lightning_attention_backward", _backward_impl, fake=_backward_fake)
+_backward_op = custom_op("lightning_attention_backward", _backward_impl, fake=_backward_fake,
+                         axes=LIGHTNING_ATTENTION_BACKWARD)
 
 
 def _setup_context(ctx, inputs, output):
@@ -82,7 +84,7 @@ def _backward(ctx, grad_output, grad_kv):
 
 
 _prefill_op = custom_op("lightning_attention", _prefill_impl, fake=_prefill_fake,
-                        autograd=(_backward, _setup_context))
+                        autograd=(_backward, _setup_context), axes=LIGHTNING_ATTENTION)
 
 
 _PREFILL_MEMO = CallMemo(("q", "k", "v", "ed", "kv_history"))
@@ -153,7 +155,8 @@ def _decode_fake(q, k, v, kv_caches, slope_rate, slot_idx, config):
 
 
 _decode_op = custom_op("linear_decode_forward_triton", _decode_impl,
-                       mutates_args=("kv_caches",), fake=_decode_fake)
+                       mutates_args=("kv_caches",), fake=_decode_fake,
+                       axes=LINEAR_DECODE)
 
 
 _DECODE_MEMO = CallMemo(("q", "k", "v", "kv_caches", "slope_rate", "slot_idx"), written=("kv_caches",))
@@ -198,7 +201,7 @@ def linear_decode_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     try:
         if index_validation(validate_indices, slot_idx) and isinstance(kv_caches, torch.Tensor) \
                 and kv_caches.dim() == 4:
-            check_indices(_index_check.check_linear_decode, dict(slot_idx=slot_idx),
+            check_indices(check_linear_decode, dict(slot_idx=slot_idx),
                           num_slots=kv_caches.shape[0])
         as_int("BLOCK_SIZE", BLOCK_SIZE, 1)  # unused (vLLM's signature), but an int all the same
         out = _decode_op(q, k, v, kv_caches, slope_rate, slot_idx, encode_config(config))

@@ -9,7 +9,9 @@ from core_kernels._plan import decode_config, encode_config
 from core_kernels.lightning_attention import (check_varlen_host_data, plan_lightning_attention_varlen,
                                               plan_lightning_attention_varlen_backward)
 
-from core_kernels import _index_check
+from core_kernels.lightning_attention.checks import check_lightning_varlen
+from core_kernels.lightning_attention.op import (LIGHTNING_VARLEN, LIGHTNING_VARLEN_BACKWARD,
+                                                LIGHTNING_VARLEN_HISTORY)
 
 from ._executor import CallMemo, execute, planned, run_plan
 from ._index_validation import check_indices, index_validation
@@ -68,7 +70,8 @@ def _backward_fake(q, k, v, ed, cu_seqlens, kv, grad_output, grad_kv, kv_history
             q.new_empty((q.shape[1],), dtype=torch.float32), torch.empty_like(kv))
 
 
-_backward_op = custom_op("lightning_attention_varlen_backward", _backward_impl, fake=_backward_fake)
+_backward_op = custom_op("lightning_attention_varlen_backward", _backward_impl, fake=_backward_fake,
+                         axes=LIGHTNING_VARLEN_BACKWARD)
 
 
 def _setup_context(ctx, inputs, output):
@@ -119,7 +122,8 @@ def _history_backward(ctx, grad_output, grad_states):
 
 
 _history_op = custom_op("lightning_attention_varlen_history", _history_impl, fake=_history_fake,
-                        autograd=(_history_backward, _history_setup_context))
+                        autograd=(_history_backward, _history_setup_context),
+                        axes=LIGHTNING_VARLEN_HISTORY)
 
 
 def _cache_with_grad(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config):
@@ -140,9 +144,9 @@ def _cache_with_grad(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, co
 
 
 _states_op = custom_op("lightning_attention_varlen", _states_impl, fake=_states_fake,
-                       autograd=(_backward, _setup_context))
+                       autograd=(_backward, _setup_context), axes=LIGHTNING_VARLEN)
 _cache_op = custom_op("lightning_attention_varlen_cache", _cache_impl, mutates_args=("kv_cache",),
-                      fake=_cache_fake)
+                      fake=_cache_fake, axes=LIGHTNING_VARLEN)
 
 
 _MEMO = CallMemo(("q", "k", "v", "ed", "cu_seqlens", "kv_cache", "slot_idx"), written=("kv_cache",))
@@ -206,7 +210,7 @@ def _varlen(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config, val
     """lightning_attention_varlen's regular path."""
     if index_validation(validate_indices, cu_seqlens, slot_idx) and isinstance(q, torch.Tensor) \
             and q.dim() == 3:
-        check_indices(_index_check.check_lightning_varlen,
+        check_indices(check_lightning_varlen,
                       dict(cu_seqlens=cu_seqlens, slot_idx=slot_idx), num_tokens=q.shape[0],
                       num_slots=kv_cache.shape[0] if isinstance(kv_cache, torch.Tensor) else 0)
     if kv_cache is None and slot_idx is None:

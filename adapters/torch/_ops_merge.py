@@ -9,10 +9,14 @@ from core_kernels._plan import as_int, decode_config, encode_config
 from core_kernels.merge_attn_states import (BACKWARD_RESULTS, NO_FP8_BACKWARD, check_prefill_tokens_with_context,
                                            plan_mask_empty_context_lse, plan_merge_attn_states,
                                            plan_merge_attn_states_backward)
+from core_kernels.merge_attn_states.op import MASK_EMPTY_CONTEXT_LSE, MERGE_ATTN_STATES, MERGE_ATTN_STATES_BACKWARD
 
 from ._executor import CallMemo, execute
 from ._register import custom_op
 from ._scalars import scale_tensor
+
+# the torch signature's name of the count tensor (the description says prefill_tokens_with_context)
+_RENAMED = {"prefill_tokens_with_context_tensor": "prefill_tokens_with_context"}
 
 
 def _num_ctx(count, prefill_tokens_with_context) -> str:
@@ -92,7 +96,8 @@ def _backward_fake(prefix_output, prefix_lse, suffix_output, suffix_lse, grad_ou
             prefix_output.new_empty((n, h, d)), prefix_lse.new_empty((h, n)))
 
 
-_backward_op = custom_op("merge_attn_states_backward", _backward_impl, fake=_backward_fake)
+_backward_op = custom_op("merge_attn_states_backward", _backward_impl, fake=_backward_fake,
+                         axes=MERGE_ATTN_STATES_BACKWARD, renamed=_RENAMED)
 
 
 def _setup_context(ctx, inputs, output):
@@ -110,7 +115,8 @@ def _backward(ctx, grad_output, grad_output_lse):
 
 
 _functional_op = custom_op("merge_attn_states_functional", _functional_impl, fake=_functional_fake,
-                           autograd=(_backward, _setup_context))
+                           autograd=(_backward, _setup_context), axes=MERGE_ATTN_STATES,
+                           renamed=_RENAMED)
 
 
 def _merge_differentiable(output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse,
@@ -131,7 +137,7 @@ def _merge_differentiable(output, prefix_output, prefix_lse, suffix_output, suff
 
 
 _merge_op = custom_op("merge_attn_states", _merge_impl, mutates_args=("output", "output_lse"),
-                      differentiable=_merge_differentiable)
+                      differentiable=_merge_differentiable, axes=MERGE_ATTN_STATES, renamed=_RENAMED)
 
 
 _MEMO = CallMemo(("output", "prefix_output", "prefix_lse", "suffix_output", "suffix_lse", "output_lse",
@@ -197,7 +203,8 @@ def _mask_impl(lse: torch.Tensor, query_start_loc: torch.Tensor,
             dict(lse=lse, query_start_loc=query_start_loc, context_start_loc=context_start_loc))
 
 
-_mask_op = custom_op("mask_empty_context_lse", _mask_impl, mutates_args=("lse",))
+_mask_op = custom_op("mask_empty_context_lse", _mask_impl, mutates_args=("lse",),
+                     axes=MASK_EMPTY_CONTEXT_LSE)
 
 
 def mask_empty_context_lse(lse: torch.Tensor, query_start_loc: torch.Tensor,

@@ -5,9 +5,10 @@ from typing import Optional
 
 import torch
 
-from core_kernels import _index_check
+from core_kernels.prefix_prefill.checks import check_prefix_prefill
 from core_kernels._plan import INT32_MAX, as_float, as_int, decode_config, encode_config
 from core_kernels.prefix_prefill import plan_prefix_prefill
+from core_kernels.prefix_prefill.op import CONTEXT_ATTENTION_FWD
 
 from ._executor import CallMemo, execute
 from ._index_validation import check_indices, index_validation
@@ -35,7 +36,8 @@ def _impl(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
             is_block_table_ptr=is_block_table_ptr, config=decode_config(config))
 
 
-_op = custom_op("context_attention_fwd", _impl, mutates_args=("o",))
+_op = custom_op("context_attention_fwd", _impl, mutates_args=("o",), axes=CONTEXT_ATTENTION_FWD,
+                renamed={"o": "output"})
 
 
 _MEMO = CallMemo(("q", "k", "v", "output", "k_cache", "v_cache", "b_loc", "b_start_loc", "b_seq_len", "k_scale",
@@ -134,7 +136,7 @@ def _check_indices(q, k, k_cache, b_loc, b_start_loc, b_seq_len, max_input_len, 
     if not (isinstance(q, torch.Tensor) and q.dim() == 3 and isinstance(k_cache, torch.Tensor)
             and k_cache.dim() == 5):
         return
-    check_indices(_index_check.check_prefix_prefill,
+    check_indices(check_prefix_prefill,
                   dict(b_loc=b_loc, b_start_loc=b_start_loc, b_seq_len=b_seq_len),
                   num_tokens=q.shape[0], num_blocks=k_cache.shape[0], block_size=k_cache.shape[3],
                   max_input_len=int(max_input_len),

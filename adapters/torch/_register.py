@@ -56,7 +56,8 @@ _any_requires_grad = getattr(torch._C, "_any_requires_grad", _any_requires_grad_
 _increment_version = getattr(torch._C, "_increment_version", torch.autograd.graph.increment_version)
 
 
-def custom_op(name: str, impl, mutates_args=(), fake=None, autograd=None, differentiable=None):
+def custom_op(name: str, impl, mutates_args=(), fake=None, autograd=None, differentiable=None, *,
+              axes=None, renamed=None):
     """Register ``impl`` as ``torch.ops.tandem_attn.<name>`` and return a callable
     that dispatches through the op while compiling and calls ``impl`` eagerly.
 
@@ -81,6 +82,11 @@ def custom_op(name: str, impl, mutates_args=(), fake=None, autograd=None, differ
     the op's results through another functional op that has the backward; the
     registered op itself keeps refusing gradients (a dispatcher call cannot be
     rerouted).
+
+    ``axes``: the op's description (``core_kernels.<op>.op``), from which the
+    DTensor strategies are derived (``_dtensor``); None: DTensor refuses the op.
+    ``renamed``: torch argument name -> the description's name, where the torch
+    signature spells one differently (vLLM's ``o`` for ``output``).
     """
     op = torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=mutates_args)(impl)
     op.register_fake(fake if fake is not None else (lambda *args, **kwargs: None))
@@ -132,6 +138,7 @@ def custom_op(name: str, impl, mutates_args=(), fake=None, autograd=None, differ
     call.op = op
     call.mutates_args = tuple(mutates_args)
     call.has_backward = has_backward or differentiable is not None
+    call.axes, call.renamed = axes, dict(renamed or {})
     OPS[name] = call
     return call
 

@@ -24,7 +24,7 @@ import torch
 
 def make_ideal_decode():
     import adapters.torch as at
-    from adapters.torch import _executor as ex
+    from adapters.torch import _executor, _launcher as ex  # the launcher since the executor's split
     from adapters.torch._register import _any_requires_grad, _increment_version
     from core_kernels._index_check import _env_on
     from core_kernels.lightning_attention import plan_linear_decode
@@ -52,7 +52,7 @@ def make_ideal_decode():
         if hit is None:
             out = full(q, k, v, kv_caches, slope_rate, slot_idx, BLOCK_SIZE)
             tensors = dict(q=q, k=k, v=v, kv_caches=kv_caches, slope_rate=slope_rate, slot_idx=slot_idx)
-            plan, device = ex.planned(plan_linear_decode, tensors, config=None)
+            plan, device = _executor.planned(plan_linear_decode, tensors, config=None)
             prog = ex._program(plan)
             if key is not None and len(prog.launches) == 1 and [a[4] for a in prog.allocs] == [ex._EMPTY]:
                 (name, shape, strides, dtype, _, _), = prog.allocs

@@ -12,7 +12,7 @@ import time
 import torch
 
 import adapters.torch as at
-from adapters.torch import _executor as ex
+from adapters.torch import _launcher as ex
 
 
 def host_us(fn, n=200):

@@ -19,7 +19,7 @@ def per_call_us(fn):
 
 
 def main():
-    from adapters.torch import _executor as ex
+    from adapters.torch import _launcher as ex
     print("torch.empty((1,)) us", per_call_us(lambda: torch.empty((1,), device="cuda")))
     print("torch.empty((64,8,128)) bf16 us",
           per_call_us(lambda: torch.empty((64, 8, 128), device="cuda", dtype=torch.bfloat16)))

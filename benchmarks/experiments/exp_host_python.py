@@ -80,8 +80,20 @@ def stub_gpu(patch=setattr, launched=None):
     """Route the torch executor's GPU path to host stubs (see the module doc).
     ``patch``: how to set each attribute (a test passes monkeypatch.setattr);
     ``launched``: a list that gets every launch's kernel arguments."""
+    import importlib
+
     from adapters.torch import _executor as ex
     from core_kernels._target import Target
+    # the executor's modules (plan cache, launcher, call memo, replay since the split of
+    # 2026-11-27): each name is patched wherever a module holds it
+    launcher = importlib.import_module("adapters.torch._launcher")
+    mods = [ex, launcher] + [importlib.import_module(f"adapters.torch.{m}")
+                             for m in ("_device", "_call_memo", "_replay")]
+
+    def patch_all(name, value):
+        for m in mods:
+            if hasattr(m, name):
+                patch(m, name, value)
     device = _FakeCuda()
     orig_check = ex.check_devices
     entry = _NoLaunch(launched)
@@ -91,24 +103,19 @@ def stub_gpu(patch=setattr, launched=None):
         return device
     patch(ex, "check_devices", check_devices)
     patch(ex, "target_for", lambda d: Target("cuda", 90, 132, gluon=True))
-    patch(ex, "torch", _torch_proxy())
-    patch(ex, "_current_device", lambda: 0)
-    patch(ex, "_raw_stream", lambda index: 0)
-    if hasattr(ex, "_is_capturing"):  # the executor's capture check since 2026-11-25
-        patch(ex, "_is_capturing", lambda: False)
-    patch(ex, "_FAST_PATH", True)
-    if hasattr(ex, "_empty_strided"):  # the executor's allocation since 2026-11-25
-        empty_strided = torch.empty_strided
-        patch(ex, "_empty_strided", lambda *args, device=None, **kwargs: empty_strided(*args, **kwargs))
-    if hasattr(ex, "_COMPILED"):  # the executor before 2026-11-25 (one table of compiled kernels)
-        patch(ex, "_COMPILED", _AlwaysCompiled(entry))
-        return
-    orig_recipe = ex._Recipe.__init__
+    patch_all("torch", _torch_proxy())
+    patch_all("_current_device", lambda: 0)
+    patch_all("_raw_stream", lambda index: 0)
+    patch_all("_is_capturing", lambda: False)  # the executor's capture check since 2026-11-25
+    patch_all("_FAST_PATH", True)
+    empty_strided = torch.empty_strided  # the executor's allocation since 2026-11-25
+    patch_all("_empty_strided", lambda *args, device=None, **kwargs: empty_strided(*args, **kwargs))
+    orig_recipe = launcher._Recipe.__init__
 
     def recipe(self, launch):
         orig_recipe(self, launch)
         self.compiled = _AlwaysCompiled(entry)
-    patch(ex._Recipe, "__init__", recipe)
+    patch(launcher._Recipe, "__init__", recipe)
 
 
 def cases():

@@ -13,3 +13,6 @@ __all__ = ["active_heads", "build_sparse_layout", "local_strided_pattern", "vllm
            "blocksparse_attention_reference", "crow_col_to_dense", "formula_block_mask",
            "blocksparse_attention_backward_reference", "plan_blocksparse_attention_lse",
            "plan_blocksparse_attention_backward", "BlocksparseBackwardConfig", "NO_DECODE_CONFIG"]
+from .checks import check_blocksparse_attention
+
+__all__ += ["check_blocksparse_attention"]

@@ -458,6 +458,20 @@ def _finish_decode(cnt_ptr, row_id, NUM_SPLITS: tl.constexpr):
     return last
 
 
+# What the two decode kernels (one program per query head and split, or per block
+# of GQA heads and split) share besides _store_decode_result, _finish_decode and
+# _merge_heads: the sequence's bounds.
+@triton.jit
+def _decode_sequence(cu_k_ptr, i_b, BLOCK_SIZE: tl.constexpr):
+    """Sequence ``i_b``'s first key token, its key count, the query's position
+    (its last key) and the layout row of the query's block."""
+    k_lo = tl.load(cu_k_ptr + i_b)
+    k_len = tl.load(cu_k_ptr + i_b + 1) - k_lo
+    q_pos = k_len - 1
+    qb = tl.maximum(q_pos, 0) // BLOCK_SIZE
+    return k_lo, k_len, q_pos, qb
+
+
 @jit
 def _bsattn_decode_kernel(
     # input pointers
@@ -480,10 +494,7 @@ def _bsattn_decode_kernel(
     i_h = pid % num_heads
     i_s = (pid // num_heads) % NUM_SPLITS
     i_b = pid // (num_heads * NUM_SPLITS)
-    k_lo = tl.load(cu_k_ptr + i_b)
-    k_len = tl.load(cu_k_ptr + i_b + 1) - k_lo
-    q_pos = k_len - 1
-    qb = tl.maximum(q_pos, 0) // BLOCK_SIZE
+    k_lo, k_len, q_pos, qb = _decode_sequence(cu_k_ptr, i_b, BLOCK_SIZE)
     p_crow = crow_ptr + i_h * stride_crow_h
     p_col = col_ptr + i_h * stride_col_h
     SUB: tl.constexpr = BLOCK_SIZE // BLOCK_N
@@ -583,10 +594,7 @@ def _bsattn_decode_group_kernel(
     i_kvh = (pid // N_HB) % num_kv
     i_s = (pid // (N_HB * num_kv)) % NUM_SPLITS
     i_b = pid // (N_HB * num_kv * NUM_SPLITS)
-    k_lo = tl.load(cu_k_ptr + i_b)
-    k_len = tl.load(cu_k_ptr + i_b + 1) - k_lo
-    q_pos = k_len - 1
-    qb = tl.maximum(q_pos, 0) // BLOCK_SIZE
+    k_lo, k_len, q_pos, qb = _decode_sequence(cu_k_ptr, i_b, BLOCK_SIZE)
 
     # this program's heads: [HEADS] for the layout, [BLOCK_M] (>= 16, tl.dot) for the tiles
     o_g = tl.arange(0, HEADS)

@@ -1,6 +1,5 @@
-from .plan import (LightningDecodeConfig, LightningGluonConfig, LightningTritonConfig,
-                   check_slot_ids, plan_lightning_attention, plan_linear_decode,
-                   prefill_state_shape)
+from .prefill_plan import LightningGluonConfig, LightningTritonConfig, plan_lightning_attention, prefill_state_shape
+from .decode_plan import LightningDecodeConfig, plan_linear_decode
 from .reference import (lightning_attention_backward_reference, lightning_attention_reference,
                         linear_decode_reference)
 
@@ -19,3 +18,6 @@ from .backward_plan import (LightningBackwardConfig, plan_lightning_attention_ba
 __all__ += ["LightningBackwardConfig", "plan_lightning_attention_backward",
             "plan_lightning_attention_varlen_backward",
             "lightning_attention_backward_reference"]
+from .checks import check_lightning_varlen, check_linear_decode, check_slot_ids
+
+__all__ += ["check_lightning_varlen", "check_linear_decode"]

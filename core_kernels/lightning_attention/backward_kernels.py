@@ -57,12 +57,12 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import jit
-from .kernels import _chunk_span
+from .prefill_kernels import _chunk_span
 
 
 @triton.jit
 def _pow_decay(s, m):
-    """lambda^m = exp(-s m) for m >= 0 (s clamped to 1e30: see kernels.py)."""
+    """lambda^m = exp(-s m) for m >= 0 (s clamped to 1e30: see prefill_kernels.py)."""
     return tl.exp(-s * m.to(tl.float32))
 
 
@@ -118,7 +118,7 @@ def _zeros(M: tl.constexpr, N: tl.constexpr):
 @triton.jit
 def _total(x):
     """The sum of a 2-D fp32 tile (tl.sum is not callable under the interpreter:
-    kernels.py)."""
+    prefill_kernels.py)."""
     return tl.reduce(tl.reduce(x, 1, tl.standard._sum_combine), 0, tl.standard._sum_combine)
 
 

@@ -28,7 +28,7 @@ from .._plan import (ArrayInfo, Buffer, Launch, Plan, Scalar, cdiv, check_config
 from .._target import Target
 from .backward_kernels import (_lightning_bwd_decay_kernel, _lightning_bwd_dkv_kernel, _lightning_bwd_dq_kernel,
                                _state_map_kernel)
-from .plan import (DEFAULT_DOT_PRECISION, DOT_PRECISIONS, _chunking, _gluon_config, _gluon_launch, _triton_config,
+from .prefill_plan import (DEFAULT_DOT_PRECISION, DOT_PRECISIONS, _chunking, _gluon_config, _gluon_launch, _triton_config,
                    _triton_launch, _use_gluon, _validate_prefill, prefill_state_shape)
 
 
@@ -109,7 +109,7 @@ def plan_lightning_attention_backward(
         return Plan(buffers, (), BACKWARD_RESULTS)
     if config is None and not need_grad_ed and (grad_kv is None or p.final_only):
         return Plan(buffers, _forward_passes(target, p, grad_output, grad_kv, buffers), BACKWARD_RESULTS)
-    # chunks laid out per returned state block, as the forward's (kernels.py)
+    # chunks laid out per returned state block, as the forward's (prefill_kernels.py)
     block_len, chunks, _, num_chunks = _chunking(p, c.block_t)
     strides = {n: info.strides[:3] for n, info in (("q", p.q), ("k", p.k), ("v", p.v), ("o", grad_output))}
     dims = _Dims(p.b, p.h, p.d, p.e, p.dtype, p.ed.strides[0])

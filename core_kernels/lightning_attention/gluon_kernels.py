@@ -1,6 +1,6 @@
 """Lightning-attention prefill in Gluon (Triton 3.6's explicit-layout dialect), bf16 and fp32.
 
-The Triton kernel (kernels.py) is latency-bound on Hopper: Triton waits for each
+The Triton kernel (prefill_kernels.py) is latency-bound on Hopper: Triton waits for each
 wgmma right after issuing it, so a chunk's four products run back to back with
 one warpgroup per SM (Nsight Compute: the four waits hold 26% of its stall
 samples). Gluon exposes asynchronous wgmma with explicit waits. Per chunk the
@@ -17,7 +17,7 @@ and an output warpgroup run side by side, synchronised by mbarriers (see
 _gluon_prefill_tf32_kernel). Loads go through a STAGES-deep ring of cp.async
 copies. With few (b, h) pairs the
 sequence is cut into segments chained through memory (_chain), as in
-kernels.py. Scope (the planner checks it and otherwise uses kernels.py): bf16
+prefill_kernels.py. Scope (the planner checks it and otherwise uses prefill_kernels.py): bf16
 or fp32, D = 128, E a multiple of the 64-column E-tile, N a multiple of the
 64-token chunk, block_size a multiple of the chunk (or final state only), GPU
 only (Gluon has no interpreter).
@@ -116,7 +116,7 @@ def _program(sync_ptr, num_heads, num_rows, seq_len, seg_chunks, decay_ptr, stri
     i_b = (i_bh // num_heads).to(gl.int64)
     i_h = (i_bh % num_heads).to(gl.int64)
     s = gl.load(decay_ptr + i_h * stride_decay)
-    s = gl.where(s > 1e30, 1e30, s)  # s = +inf (lambda = 0) without NaN: see kernels.py's NOTE
+    s = gl.where(s > 1e30, 1e30, s)  # s = +inf (lambda = 0) without NaN: see prefill_kernels.py's NOTE
     e0 = (r % N_E) * BE
     base_q = q_ptr + (i_b * (stride_qb * ALIGN) + i_h * (stride_qh * ALIGN))
     base_k = k_ptr + (i_b * (stride_kb * ALIGN) + i_h * (stride_kh * ALIGN))
@@ -449,7 +449,7 @@ def _gluon_prefill_kernel(
     needed its own register across the loop (140 bytes/thread of spills, and a
     112-byte spill made the prototype 2x slower); as constants they fold into
     the address immediates.
-    For the backward (backward_plan.py), as kernels.py's: REVERSE walks each
+    For the backward (backward_plan.py), as prefill_kernels.py's: REVERSE walks each
     sequence from its last token (bases at that token, negated token strides),
     HIST_SHIFT lets the history enter the first token undecayed.
     """
@@ -779,7 +779,7 @@ def _varlen_program(cu_ptr, num_seqs, num_heads, decay_ptr, stride_decay, q_ptr,
     i_h = (r // N_E).to(gl.int64)
     e0 = (r % N_E) * BE
     s = gl.load(decay_ptr + i_h * stride_decay)
-    s = gl.where(s > 1e30, 1e30, s)  # s = +inf (lambda = 0) without NaN: see kernels.py's NOTE
+    s = gl.where(s > 1e30, 1e30, s)  # s = +inf (lambda = 0) without NaN: see prefill_kernels.py's NOTE
     tok0 = seq_start.to(gl.int64)
     if REVERSE:  # (an empty sequence has no chunk: its bases are never read)
         tok0 = tok0 + seq_len - 1

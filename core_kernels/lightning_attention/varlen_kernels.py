@@ -1,6 +1,6 @@
 """Triton kernel for lightning attention over packed variable-length sequences.
 
-The recurrence and the chunk formulas are the prefill's (kernels.py), per
+The recurrence and the chunk formulas are the prefill's (prefill_kernels.py), per
 sequence b and head h with lambda = exp(-s_h):
 
     S_t = lambda * S_{t-1} + k_t^T v_t        (S_{-1} = kv_cache[slot_idx[b]], or 0)
@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 
 from .._triton_utils import jit
-from .kernels import _chunk_step, _load_state, _segment_contribution, _store_state
+from .prefill_kernels import (_chunk_step, _draw_ticket, _load_state, _publish_and_raise, _segment_contribution,
+                              _store_state, _wait_for_flag)
 
 
 @triton.jit
@@ -76,7 +77,7 @@ def _lightning_varlen_kernel(
     [B, H, D, E] array with the final states' strides.
 
     The backward (backward_plan.py) runs this recurrence on other operands, with
-    the prefill kernel's two variants (kernels.py, _lightning_prefill_kernel):
+    the prefill kernel's two variants (prefill_kernels.py, _lightning_prefill_kernel):
     REVERSE walks each sequence from its last token to its first, HIST_SHIFT
     lets the starting state enter the first token undecayed (the first item's
     end decays it by lambda^(len - 1)).
@@ -89,10 +90,7 @@ def _lightning_varlen_kernel(
     stride_cs, stride_ch, stride_cd = stride_cs * ALIGN, stride_ch * ALIGN, stride_cd * ALIGN
     stride_pw, stride_ph, stride_pd = stride_pw * ALIGN, stride_ph * ALIGN, stride_pd * ALIGN
     per_item = num_heads * N_E  # programs per work item
-    if SEGMENTED:
-        ticket = tl.atomic_add(sync_ptr, 1)  # sync[0]: the ticket counter
-    else:
-        ticket = tl.program_id(0)
+    ticket = _draw_ticket(sync_ptr, SEGMENTED)
     w = ticket // per_item
     r = ticket % per_item
     i_e = r % N_E
@@ -119,7 +117,7 @@ def _lightning_varlen_kernel(
     is_last = seg_t1 >= seq_len
 
     s = tl.load(decay_ptr + i_h * stride_decay).to(tl.float32)
-    s = tl.where(s > 1e30, 1e30, s)  # s = +inf (lambda = 0) without NaN: see kernels.py's NOTE
+    s = tl.where(s > 1e30, 1e30, s)  # s = +inf (lambda = 0) without NaN: see prefill_kernels.py's NOTE
 
     o_t = tl.arange(0, BLOCK_T)
     o_d = tl.arange(0, BLOCK_D)
@@ -158,10 +156,7 @@ def _lightning_varlen_kernel(
                                         BLOCK_D, BLOCK_E, EVEN_D, EVEN_E, DOT_BF16, SPLIT_STATE,
                                         DOT_PRECISION, OFFS_64, REVERSE)
         if j > 0:  # look back: wait for the previous item's end state
-            p_flag = sync_ptr + 1 + ticket - per_item
-            ready = tl.atomic_add(p_flag, 0, sem="acquire")
-            while ready == 0:
-                ready = tl.atomic_add(p_flag, 0, sem="acquire")
+            _wait_for_flag(sync_ptr + 1 + ticket - per_item)
             offs = (w - 1).to(tl.int64) * stride_pw + o_d.to(tl.int64)[:, None] * stride_pd + o_e[None, :]
             b_s = tl.load(p_pub + offs, mask=m_d[:, None] & m_e[None, :], other=0.0, cache_modifier=".cg")
         if seg_t1 < seq_len:  # publish this item's end state, then raise its flag
@@ -170,9 +165,7 @@ def _lightning_varlen_kernel(
             else:
                 b_end = b_s * tl.exp(-s * (seg_t1 - seg_t0).to(tl.float32)) + b_l
             offs = w.to(tl.int64) * stride_pw + o_d.to(tl.int64)[:, None] * stride_pd + o_e[None, :]
-            tl.store(p_pub + offs, b_end, mask=m_d[:, None] & m_e[None, :])
-            tl.debug_barrier()
-            tl.atomic_xchg(sync_ptr + 1 + ticket, 1, sem="release")
+            _publish_and_raise(p_pub + offs, b_end, m_d[:, None] & m_e[None, :], sync_ptr, ticket)
 
     # ---- phase 2: the outputs, chunk by chunk (the prefill kernel's chunk step, shared)
     q_decay = tl.exp(-s * (o_t + 1).to(tl.float32))

@@ -16,7 +16,7 @@ from .._plan import (FLOAT_DTYPES, INT_DTYPES, ArrayInfo, Buffer, Launch, Plan, 
                      check_config, check_dtype, check_inner_contiguous, check_ndim, check_shape,
                      config_class, memoize, next_pow2, row_major_strides)
 from .._target import Target
-from .plan import (BLOCK_E, BLOCK_T, DEFAULT_DOT_PRECISION, DOT_PRECISIONS, GLUON_BE, GLUON_STAGES,
+from .prefill_plan import (BLOCK_E, BLOCK_T, DEFAULT_DOT_PRECISION, DOT_PRECISIONS, GLUON_BE, GLUON_STAGES,
                    GLUON_STAGES_MANY, GLUON_T, GLUON_TF32_WS_REGS, MIN_SEGMENT_CHUNKS, NUM_STAGES,
                    NUM_WARPS, SEGMENT_WAVES, _aligned, _check_decay, _check_head, _full_wave,
                    gluon_scope_unfit)
@@ -137,6 +137,17 @@ def plan_lightning_attention_varlen(
     return _launch(target, p, c)
 
 
+def varlen_config(target: Target, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, ed: ArrayInfo,
+                  cu_seqlens: ArrayInfo, kv_cache: ArrayInfo | None = None,
+                  slot_idx: ArrayInfo | None = None, *, block_size: int = 256, config=None):
+    """The Triton config (segment length, tiles) :func:`plan_lightning_attention_varlen`
+    chooses for these arrays: ``config`` completed, or the measured default. The
+    JAX adapter's vmap pins it, so that a folded launch does the per-example
+    arithmetic."""
+    p = _validate(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size)
+    return _config(target, p, config)
+
+
 def _validate(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size) -> _Varlen:
     check_ndim("q", q, 3, "[T, H, D]")
     check_dtype("q", q, FLOAT_DTYPES)
@@ -185,7 +196,7 @@ def _validate(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size) -> _Varle
 
 # NOTE (not measured yet; the GPU benchmark benchmarks/bench_lightning_varlen.py
 # sweeps segment_len): work items are sized like the prefill's chained-scan
-# segments (plan.py: SEGMENT_WAVES, MIN_SEGMENT_CHUNKS, _full_wave). With one
+# segments (prefill_plan.py: SEGMENT_WAVES, MIN_SEGMENT_CHUNKS, _full_wave). With one
 # program per (sequence, head, E-tile) already SEGMENT_WAVES full waves, no
 # sequence is cut: a cut item re-reads its k and v (phase 1), and with that
 # many programs in flight the re-reads miss L2 (B=16, H=64 holds ~130 MB of k
@@ -202,12 +213,12 @@ def _segment_len(target: Target, p: _Varlen, per_item: int, block_t: int) -> int
 
 
 def _config(target: Target, p: _Varlen, override) -> LightningVarlenConfig:
-    """The config from the prefill's tables (plan.py), ``override``'s fields first."""
+    """The config from the prefill's tables (prefill_plan.py), ``override``'s fields first."""
     o = override or LightningVarlenConfig()
     block_e, small_d = o.block_e, p.block_d <= 128
     if (block_e is None and p.dtype == "bfloat16" and p.d == p.block_d <= 128 and p.e % 64 == 0
             and p.b * p.h * (p.e // 64) >= _full_wave(target)):
-        block_e = 64  # the prefill's rule (plan._triton_config): enough (b, h) pairs for E-tile 64
+        block_e = 64  # the prefill's rule (prefill_plan._triton_config): enough (b, h) pairs for E-tile 64
     block_e = block_e or min(BLOCK_E[p.dtype] if small_d else 32, max(16, next_pow2(p.e)))
     block_t = o.block_t or (BLOCK_T[p.dtype] if small_d else 32)
     per_item = p.h * cdiv(p.e, block_e)
@@ -241,7 +252,7 @@ def _launch(target: Target, p: _Varlen, c: LightningVarlenConfig, history: bool 
     state = p.kv_cache.strides[:3] if p.has_cache else row_major_strides((p.b, p.h, p.d, p.e))[:3]
     pub = row_major_strides((items, p.h, p.d, p.e))[:3] if segmented else (0, 0, 0)
     even_d, even_e = p.d == p.block_d, p.e % c.block_e == 0
-    # as the prefill (plan._triton_launch): bf16 operands only for whole tiles
+    # as the prefill (prefill_plan._triton_launch): bf16 operands only for whole tiles
     dot_bf16 = p.dtype == "bfloat16" and even_d and even_e
     launch = Launch(
         kernel=_lightning_varlen_kernel, grid=(items * per_item,),
@@ -275,7 +286,7 @@ def _launch(target: Target, p: _Varlen, c: LightningVarlenConfig, history: bool 
 # ---------------------------------------------------------------- Gluon varlen kernels
 # NOTE (2026-11-24, not yet measured when written; see benchmarks/RESULTS.md for
 # the measurement): the Triton varlen kernel runs the Triton prefill's chunk
-# step, which is latency-bound on Hopper (plan.py's Gluon NOTE: 108.9 vs 87.0 us
+# step, which is latency-bound on Hopper (prefill_plan.py's Gluon NOTE: 108.9 vs 87.0 us
 # for the single-sequence bf16 prefill, 421.7 vs 194.9 us fp32). The Gluon
 # varlen kernels run the Gluon prefill's chunk loops per sequence; only the
 # last chunk of a sequence may be partial (masked loads and stores, its own

@@ -195,6 +195,23 @@ def _check_tiles(config: PrefixPrefillConfig) -> None:
 
 
 # ---------------------------------------------------------------- validate
+def prefix_prefill_config(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, output=None,
+                          k_scale=None, v_scale=None, alibi_slopes=None, sinks=None, fp8_out_scale=None, *,
+                          max_input_len: int, kv_cache_dtype: str = "auto", sliding_window=None,
+                          sm_scale=None, skip_decode: bool = False, causal: bool = True, v_pack: int = 0,
+                          config: PrefixPrefillConfig | None = None):
+    """The tiles (and gather decision) :func:`plan_prefix_prefill` chooses for
+    these arrays: ``config`` completed, or the measured table's entry; ``config``
+    itself where the problem is empty (nothing is launched). The JAX adapter's
+    vmap pins it: the gather decision depends on the batch's scratch size."""
+    p = _validate(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, output, k_scale, v_scale,
+                  alibi_slopes, sinks, fp8_out_scale, max_input_len, kv_cache_dtype, sliding_window,
+                  sm_scale, skip_decode, None, causal, v_pack, False)
+    if p.t == 0 or p.bsz == 0 or p.hq == 0 or p.max_input_len == 0:
+        return config
+    return _choose_config(p, config)[0]
+
+
 def _validate(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, output, k_scale, v_scale,
               alibi_slopes, sinks, fp8_out_scale, max_input_len, kv_cache_dtype, sliding_window,
               sm_scale, skip_decode, output_dtype, causal=True, v_pack=0,

@@ -1,11 +1,12 @@
-"""Validation and launch plans for lightning attention prefill and decode (framework-free).
+"""Validation and launch plans for lightning attention prefill (framework-free).
 
-Prefill runs one of three kernels: the Triton kernel (kernels.py, any shape,
-config :class:`LightningTritonConfig`) or, on Hopper with Gluon support and
-within their scope, the bf16 / fp32 Gluon kernels (gluon_kernels.py, config
-:class:`LightningGluonConfig`). Decode runs kernels.py's decode kernel
-(:class:`LightningDecodeConfig`). Each planner: validate -> problem (a frozen
-description of the facts) -> config (measured tables, or ``config=``) -> launch.
+Prefill runs one of three kernels: the Triton kernel (prefill_kernels.py, any
+shape, config :class:`LightningTritonConfig`) or, on Hopper with Gluon support
+and within their scope, the bf16 / fp32 Gluon kernels (gluon_kernels.py, config
+:class:`LightningGluonConfig`). Decode is decode_plan.py's, varlen
+varlen_plan.py's, the backward backward_plan.py's. The planner: validate ->
+problem (a frozen description of the facts) -> config (measured tables, or
+``config=``) -> launch.
 """
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import dataclasses
 
 import numpy as np
 
-from .._plan import (FLOAT_DTYPES, INT32_MAX, INT_DTYPES, ArrayInfo, Buffer, Launch, Plan, Scalar, as_int, cdiv,
+from .._plan import (FLOAT_DTYPES, INT32_MAX, ArrayInfo, Buffer, Launch, Plan, Scalar, as_int, cdiv,
                      check_config, check_dtype, check_inner_contiguous, check_ndim, check_shape,
                      config_class, memoize, next_pow2, pow2_divisor, row_major_strides)
 from .._target import Target
-from .kernels import _lightning_decode_kernel, _lightning_prefill_kernel
+from .prefill_kernels import _lightning_prefill_kernel
 
 MAX_HEAD_SIZE = 256
 DOT_PRECISIONS = ("tf32", "tf32x3", "ieee")
@@ -30,17 +31,17 @@ DOT_PRECISIONS = ("tf32", "tf32x3", "ieee")
 # reached 2.7-5.4% there: tf32 rounding of the large head; per head the relative
 # error is ~4e-4, see tests/test_lightning_attention.check_relative.)
 # Pass LightningTritonConfig(dot_precision="ieee") for exact-fp32 products. The
-# interpreter (CPU) is always exact fp32. In kernels.py, with "tf32" and whole
+# interpreter (CPU) is always exact fp32. In prefill_kernels.py, with "tf32" and whole
 # tiles, the state product k^T v is computed from bf16 hi/lo pairs instead (three
 # bf16 MMAs, ~16 significant bits: more precise than tf32, and 1.4x faster for the
 # whole prefill because bf16 MMAs read the transposed k natively;
-# kernels._state_product). The fp32 Gluon kernel makes all four products tf32.
+# prefill_kernels._state_product). The fp32 Gluon kernel makes all four products tf32.
 DEFAULT_DOT_PRECISION = "tf32"
 
 
 @config_class
 class LightningTritonConfig:
-    """The Triton prefill kernel (kernels._lightning_prefill_kernel); passing one
+    """The Triton prefill kernel (prefill_kernels._lightning_prefill_kernel); passing one
     forces that kernel. None fields are the planner's choice (measured tables).
     block_t: tokens per chunk; block_e: E-tile (columns of the state per program);
     num_segments: chained-scan segments per (b, h, E-tile); dot_precision: the
@@ -67,13 +68,6 @@ class LightningGluonConfig:
     stages: int | None = None
 
 
-@config_class
-class LightningDecodeConfig:
-    """The decode kernel: E-tile (state columns per program) and warps."""
-    block_e: int = 64
-    num_warps: int = 4
-
-
 # NOTE: one program per (b, h, E-tile) keeps a [D, BLOCK_E] fp32 state in
 # registers. Chunk length / E-tile / warps / stages from ptxas' resource report
 # (sm_90, compiled off-GPU: tools/offline_compile.py) and the H200 sweeps in
@@ -86,7 +80,7 @@ class LightningDecodeConfig:
 # 2a99d61; Nsight Compute put 21% of the 2-stage kernel's stall samples on the
 # wait for the next chunk's loads). 3 stages need 114688 bytes of shared memory,
 # just under two programs per SM: the per-block state store inside the loop is
-# split in register parts to fit (kernels._store_state_parts). fp32 was bound by
+# split in register parts to fit (prefill_kernels._store_state_parts). fp32 was bound by
 # shared memory traffic instead (Nsight Compute, before the state product's bf16
 # split: L1/shared 79% busy, LDS/LDSM 46% of stall samples: the tf32 operands go
 # through shared memory as 32-bit loads), and more stages did not help it
@@ -238,6 +232,20 @@ def _check_head(name, size):
         raise ValueError(f"{name}: head size {size} is not in [1, {MAX_HEAD_SIZE}]")
 
 
+def prefill_config(target: Target, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, ed: ArrayInfo,
+                   kv_history: ArrayInfo | None = None, *, block_size: int = 256,
+                   output_final_state_only: bool = False, config=None):
+    """The config :func:`plan_lightning_attention` runs these arrays with:
+    ``config`` completed, or the measured default (Gluon where the target
+    runs it). The JAX adapter's vmap pins it, so that a folded launch does the
+    per-example arithmetic."""
+    p = _validate_prefill(q, k, v, ed, kv_history, as_int("block_size", block_size),
+                          bool(output_final_state_only))
+    if _use_gluon(target, p, config):
+        return _gluon_config(target, p, config)
+    return _triton_config(target, p, config)
+
+
 def _validate_prefill(q, k, v, ed, kv_history, block_size, final_only) -> _Prefill:
     check_ndim("q", q, 4, "[B, H, N, D]")
     check_dtype("q", q, FLOAT_DTYPES)
@@ -316,7 +324,7 @@ def _aligned(names: str, values) -> dict:
 def _triton_launch(target: Target, p: _Prefill, c: LightningTritonConfig, reverse: bool = False,
                    hist_shift: bool = False):
     """The Triton kernel's launch and buffers; ``reverse`` / ``hist_shift``: the
-    kernel's variants for the backward (kernels._lightning_prefill_kernel)."""
+    kernel's variants for the backward (prefill_kernels._lightning_prefill_kernel)."""
     block_len, chunks, num_blocks, num_chunks = _chunking(p, c.block_t)
     n_e = cdiv(p.e, c.block_e)
     programs = p.b * p.h * n_e
@@ -360,7 +368,7 @@ def _triton_launch(target: Target, p: _Prefill, c: LightningTritonConfig, revers
             EVEN_D=even_d, EVEN_E=even_e, HAS_HISTORY=p.kv_history is not None,
             STORE_BLOCK_STATES=not p.final_only, PUBLISH_IN_KV=publish_in_kv, SEGMENTED=segmented,
             DOT_BF16=dot_bf16,
-            # fp32 / fp16: the state product from bf16 hi/lo pairs (kernels._state_product);
+            # fp32 / fp16: the state product from bf16 hi/lo pairs (prefill_kernels._state_product);
             # whole tiles only (see the NOTE above on masked bf16 operands). Not under
             # the interpreter (CPU), whose bf16 tl.dot returns garbage (Triton 3.6) and
             # whose fp32 products are exact anyway: the split is tested on the GPU.
@@ -379,11 +387,11 @@ def _triton_launch(target: Target, p: _Prefill, c: LightningTritonConfig, revers
 # NOTE: the Gluon prefills (gluon_kernels.py) issue each chunk's products as
 # asynchronous wgmma with explicit waits, which Triton 3.6's tl.dot cannot. H200,
 # B=1, H=64, N=4096, per-block states: bf16 99.9 us (1.25x the byte floor; the
-# prototype 101.9) against 126.9 us for kernels.py, final state only 87.0 vs
+# prototype 101.9) against 126.9 us for prefill_kernels.py, final state only 87.0 vs
 # 108.9 us; fp32 (tf32 products) 214.5 vs 421.7 us, 194.9 us warp-specialised
 # (2026-11-21, commit fdeac68; see GLUON_TF32_WS_REGS) (benchmarks/RESULTS.md,
 # results/experiments/exp_lightning_gluon*.json). Their scope is _gluon_unfit's;
-# everything else runs kernels.py.
+# everything else runs prefill_kernels.py.
 GLUON_T = 64
 GLUON_BE = 64
 # load ring depth: 4 x 40 KB of bf16 chunks; fp32 chunks are 80 KB and, with
@@ -557,113 +565,3 @@ def _gluon_launch(p: _Prefill, c: LightningGluonConfig, reverse: bool = False, h
         num_warps=4, num_stages=1)
     seg_state = (p.b, p.h, segments, p.d, p.e) if segments > 1 else (1,)
     return p.buffers(seg_state, segments, programs), launch
-
-
-# ---------------------------------------------------------------- decode
-@dataclasses.dataclass(frozen=True)
-class _Decode:
-    q: ArrayInfo
-    k: ArrayInfo
-    v: ArrayInfo
-    kv_caches: ArrayInfo
-    slope_rate: ArrayInfo
-    b: int
-    h: int
-    d: int
-    e: int
-
-
-DECODE_RESULTS = ("output", "kv_caches")
-
-
-@memoize
-def plan_linear_decode(target: Target, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo,
-                       kv_caches: ArrayInfo, slope_rate: ArrayInfo, slot_idx: ArrayInfo, *,
-                       config: LightningDecodeConfig | None = None) -> Plan:
-    """Plan one lightning-attention decode step.
-
-    Arrays: q, k [B, H, 1, D], v [B, H, 1, E] (one float dtype, innermost dim
-    contiguous, other strides free), kv_caches [num_slots, H, D, E] fp32, or
-    bf16/fp16 (the state in the model dtype, as vLLM's MiniMax layer keeps it:
-    updated in fp32, stored rounded; the output uses the unrounded state), any
-    strides; updated in place: it is both an argument and a result,
-    slope_rate [H] or [H, 1, 1] fp32, slot_idx [B] int32/int64 (-1 = padding).
-    Results: "output" [B, H * E] (q dtype) and "kv_caches".
-    ``config`` overrides the tiling chosen from the table below.
-    """
-    check_config(config, (LightningDecodeConfig,))
-    p = _validate_decode(q, k, v, kv_caches, slope_rate, slot_idx)
-    buffers = {"output": Buffer((p.b, p.h * p.e), q.dtype)}
-    if p.b == 0 or p.h == 0:
-        return Plan(buffers, (), DECODE_RESULTS)
-    config = config or LightningDecodeConfig(min(DECODE_BLOCK_E, max(16, next_pow2(p.e))),
-                                             DECODE_NUM_WARPS)
-    return Plan(buffers, (_decode_launch(p, config),), DECODE_RESULTS)
-
-
-def _validate_decode(q, k, v, kv_caches, slope_rate, slot_idx) -> _Decode:
-    check_ndim("q", q, 4, "[B, H, 1, D]")
-    check_dtype("q", q, FLOAT_DTYPES)
-    b, h, one, d = q.shape
-    if one != 1:
-        raise ValueError(f"q: expected one token per row [B, H, 1, D], got shape {tuple(q.shape)}")
-    check_shape("k", k, (b, h, 1, d), "same as q")
-    check_ndim("v", v, 4, "[B, H, 1, E]")
-    e = v.shape[3]
-    check_shape("v", v, (b, h, 1, e), "[B, H, 1, E] with q's B, H")
-    for name, info in (("k", k), ("v", v)):
-        if info.dtype != q.dtype:
-            raise TypeError(f"{name}: dtype {info.dtype} differs from q's {q.dtype}")
-        check_inner_contiguous(name, info)
-    check_inner_contiguous("q", q)
-    _check_head("q", d)
-    _check_head("v", e)
-    check_ndim("kv_caches", kv_caches, 4, "[num_slots, H, D, E]")
-    check_shape("kv_caches", kv_caches, (kv_caches.shape[0], h, d, e), "[num_slots, H, D, E]")
-    check_dtype("kv_caches", kv_caches, FLOAT_DTYPES)
-    slope_rate = _check_decay("slope_rate", slope_rate, h)
-    check_shape("slot_idx", slot_idx, (b,), "[B]")
-    check_dtype("slot_idx", slot_idx, INT_DTYPES)
-    check_inner_contiguous("slot_idx", slot_idx)  # read with unit stride
-    return _Decode(q, k, v, kv_caches, slope_rate, b, h, d, e)
-
-
-# NOTE: H200 sweeps, B=64, H=64, D=128 (three runs): E-tile 64 at 2/4/8 warps
-# 3.82-3.88 / 3.83-3.88 / 3.72-3.89 TB/s; E-tile 32: 3.46-3.67; E-tile 128:
-# 0.62 (2 warps, spills) to 3.74. Also measured and dropped: evict-first loads
-# with streaming stores (-3%), several (b, h) per program with the next one's
-# loads software-pipelined (2, 4, 8 per program: -2% to -20%).
-DECODE_BLOCK_E = 64
-DECODE_NUM_WARPS = 4
-
-
-def _decode_launch(p: _Decode, c: LightningDecodeConfig) -> Launch:
-    block_d = max(16, next_pow2(p.d))
-    cache = p.kv_caches.strides
-    return Launch(
-        kernel=_lightning_decode_kernel, grid=(cdiv(p.e, c.block_e), p.b * p.h),
-        params=dict(
-            q_ptr="q", k_ptr="k", v_ptr="v", cache_in_ptr="kv_caches", decay_ptr="slope_rate",
-            slot_ptr="slot_idx", num_heads=Scalar(p.h), num_slots=Scalar(p.kv_caches.shape[0]),
-            head_k=Scalar(p.d), head_v=Scalar(p.e), stride_decay=Scalar(p.slope_rate.strides[0]),
-            **_aligned("stride_qb stride_qh", p.q.strides[:2]),
-            **_aligned("stride_kb stride_kh", p.k.strides[:2]),
-            **_aligned("stride_vb stride_vh", p.v.strides[:2]),
-            **_aligned("stride_cs stride_ch stride_cd", cache[:3]), stride_ce=Scalar(cache[3]),
-            **_aligned("stride_ob stride_oh", (p.h * p.e, p.e)),
-            out_ptr="output", cache_ptr="kv_caches"),
-        writes=("out_ptr", "cache_ptr"),
-        constexprs=dict(BLOCK_D=block_d, BLOCK_E=c.block_e, EVEN_D=p.d == block_d,
-                        EVEN_E=p.e % c.block_e == 0,
-                        OFFS_64=abs(cache[2]) * p.d + abs(cache[3]) * p.e >= 2 ** 31),
-        num_warps=c.num_warps, num_stages=1)
-
-
-def check_slot_ids(slot_idx: np.ndarray, num_slots: int) -> None:
-    """Host-side check of slot ids already on the host (no device sync):
-    every id must be -1 (padding) or in [0, num_slots). On the device an
-    out-of-range id yields a NaN output row and touches no cache slot. Part of
-    the index checks (core_kernels._index_check, where validation also refuses
-    duplicate ids)."""
-    from .._index_check import check_slot_range
-    check_slot_range(slot_idx, num_slots)

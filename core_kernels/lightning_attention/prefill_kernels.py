@@ -255,6 +255,44 @@ def _segment_contribution(k_ptr, v_ptr, base_k, base_v, stride_kt, stride_vt, s,
     return b_l
 
 
+# The look-back between segments (prefill) or items (varlen) of one sequence: a
+# program publishes its segment's end state and raises the segment's flag; the
+# next segment's program spins on that flag, then reads the state. One helper
+# each, shared by the prefill and varlen kernels.
+@triton.jit
+def _draw_ticket(sync_ptr, SEGMENTED: tl.constexpr):
+    """This program's ticket: segmented, the next from the counter sync[0], so
+    that a program waits only on one that started before it (no deadlock
+    whatever the scheduling); else the program id."""
+    if SEGMENTED:
+        ticket = tl.atomic_add(sync_ptr, 1)
+    else:
+        ticket = tl.program_id(0)
+    return ticket
+
+
+@triton.jit
+def _wait_for_flag(p_flag):
+    """Spin until the flag at ``p_flag`` is raised. Acquire: the state stored
+    before the flag's release is visible after."""
+    ready = tl.atomic_add(p_flag, 0, sem="acquire")
+    while ready == 0:
+        ready = tl.atomic_add(p_flag, 0, sem="acquire")
+
+
+@triton.jit
+def _publish_and_raise(p_state, b_state, mask, sync_ptr, ticket):
+    """Store ``b_state`` [BLOCK_D, BLOCK_E] at ``p_state`` (masked), then raise
+    ticket ``ticket``'s flag (sync[1 + ticket]; sync[0] is the ticket counter):
+    the barrier orders every thread's store before the release. NOTE: the flag's
+    address is computed here, after the barrier, as the kernels did before this
+    helper: computed at the call (before the store), the compiler placed it
+    elsewhere and the PTX changed (tools/compiled_digest.py, 2026-11-27)."""
+    tl.store(p_state, b_state, mask=mask)
+    tl.debug_barrier()
+    tl.atomic_xchg(sync_ptr + 1 + ticket, 1, sem="release")
+
+
 @jit
 def _lightning_prefill_kernel(
     # input pointers
@@ -313,10 +351,7 @@ def _lightning_prefill_kernel(
     stride_kvb, stride_kvh = stride_kvb * ALIGN, stride_kvh * ALIGN
     stride_kvi, stride_kvd = stride_kvi * ALIGN, stride_kvd * ALIGN
     per_seg = num_rows * num_heads * N_E  # programs per segment
-    if SEGMENTED:
-        ticket = tl.atomic_add(sync_ptr, 1)  # sync[0]: the ticket counter
-    else:
-        ticket = tl.program_id(0)
+    ticket = _draw_ticket(sync_ptr, SEGMENTED)
     i_p = ticket // per_seg
     r = ticket % per_seg
     i_e = r % N_E
@@ -363,10 +398,7 @@ def _lightning_prefill_kernel(
                                         BLOCK_D, BLOCK_E, EVEN_D, EVEN_E, DOT_BF16, SPLIT_STATE,
                                         DOT_PRECISION, OFFS_64, REVERSE)
         if i_p > 0:  # look back: wait for the previous segment's end state
-            p_flag = sync_ptr + 1 + ticket - per_seg
-            ready = tl.atomic_add(p_flag, 0, sem="acquire")
-            while ready == 0:
-                ready = tl.atomic_add(p_flag, 0, sem="acquire")
+            _wait_for_flag(sync_ptr + 1 + ticket - per_seg)
             offs = (i_p - 1) * stride_pp + o_d.to(tl.int64)[:, None] * stride_pd + o_e[None, :]
             b_s = tl.load(p_pub + offs, mask=m_d[:, None] & m_e[None, :], other=0.0,
                           cache_modifier=".cg")
@@ -376,9 +408,7 @@ def _lightning_prefill_kernel(
                 seg_len = seg_len - (i_p == 0).to(tl.float32)
             b_end = b_s * tl.exp(-s * seg_len) + b_l
             offs = i_p * stride_pp + o_d.to(tl.int64)[:, None] * stride_pd + o_e[None, :]
-            tl.store(p_pub + offs, b_end, mask=m_d[:, None] & m_e[None, :])
-            tl.debug_barrier()
-            tl.atomic_xchg(sync_ptr + 1 + ticket, 1, sem="release")
+            _publish_and_raise(p_pub + offs, b_end, m_d[:, None] & m_e[None, :], sync_ptr, ticket)
 
     # decay factors that do not depend on the chunk: [BLOCK_T] and [BLOCK_T, BLOCK_T]
     q_decay = tl.exp(-s * (o_t + 1).to(tl.float32))
@@ -410,60 +440,3 @@ def _lightning_prefill_kernel(
                          m_d, m_e)
         else:
             _store_state(p_kv, b_s, o_d, o_e, stride_kvd, m_d, m_e)
-
-
-@jit
-def _lightning_decode_kernel(
-    # input pointers
-    q_ptr, k_ptr, v_ptr, cache_in_ptr, decay_ptr, slot_ptr,
-    # runtime scalars
-    num_heads, num_slots, head_k, head_v, stride_decay,
-    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-    stride_cs, stride_ch, stride_cd, stride_ce, stride_ob, stride_oh,
-    # output pointers
-    out_ptr, cache_ptr,
-    # constexprs
-    BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, EVEN_D: tl.constexpr, EVEN_E: tl.constexpr,
-    ALIGN: tl.constexpr, OFFS_64: tl.constexpr,
-):
-    """One decode step for (row b, head h, E-tile): S = lambda S + k^T v in the
-    cache slot, o = q S. Slot -1: output 0, no cache access; a slot outside
-    [-1, num_slots): output NaN, no cache access (masked, no branches)."""
-    # strides arrive divided by their alignment group ALIGN (see the prefill kernel)
-    stride_qb, stride_qh, stride_kb, stride_kh = (stride_qb * ALIGN, stride_qh * ALIGN,
-                                                  stride_kb * ALIGN, stride_kh * ALIGN)
-    stride_vb, stride_vh, stride_ob, stride_oh = (stride_vb * ALIGN, stride_vh * ALIGN,
-                                                  stride_ob * ALIGN, stride_oh * ALIGN)
-    stride_cs, stride_ch, stride_cd = stride_cs * ALIGN, stride_ch * ALIGN, stride_cd * ALIGN
-    i_e = tl.program_id(0)
-    o_d = tl.arange(0, BLOCK_D)
-    o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    # EVEN_*: all-true masks, dropped so that loads and stores stay vectorized
-    m_d = (o_d < head_k) | EVEN_D
-    m_e = (o_e < head_v) | EVEN_E
-    # within one slot's [D, E] matrix: int32 offsets (the plan checks that they
-    # fit), which keeps the per-element address math out of 64-bit registers
-    if OFFS_64:
-        offs = o_d.to(tl.int64)[:, None] * stride_cd + o_e.to(tl.int64)[None, :] * stride_ce
-    else:
-        offs = o_d[:, None] * stride_cd + o_e[None, :] * stride_ce
-    i_bh = tl.program_id(1)
-    i_b = (i_bh // num_heads).to(tl.int64)
-    i_h = (i_bh % num_heads).to(tl.int64)
-    slot = tl.load(slot_ptr + i_b).to(tl.int64)
-    valid = (slot >= 0) & (slot < num_slots)
-    s = tl.load(decay_ptr + i_h * stride_decay).to(tl.float32)
-    b_q = tl.load(q_ptr + i_b * stride_qb + i_h * stride_qh + o_d, mask=m_d, other=0.0).to(tl.float32)
-    b_k = tl.load(k_ptr + i_b * stride_kb + i_h * stride_kh + o_d, mask=m_d, other=0.0).to(tl.float32)
-    b_v = tl.load(v_ptr + i_b * stride_vb + i_h * stride_vh + o_e, mask=m_e, other=0.0).to(tl.float32)
-    base = tl.where(valid, slot, 0) * stride_cs + i_h * stride_ch  # int64
-    m = m_d[:, None] & m_e[None, :] & valid
-    b_s = tl.load(cache_in_ptr + base + offs, mask=m, other=0.0).to(tl.float32)  # [D, E]
-    b_s = b_s * tl.exp(-s) + b_k[:, None] * b_v[None, :]
-    # a bf16/fp16 cache (vLLM's MiniMax layer keeps the state in the model dtype)
-    # stores the new state rounded; the output uses it unrounded
-    tl.store(cache_ptr + base + offs, b_s.to(cache_ptr.dtype.element_ty), mask=m)
-    b_o = tl.reduce(b_q[:, None] * b_s, 0, tl.standard._sum_combine)                          # [E]
-    b_o = tl.where(valid, b_o, tl.where(slot == -1, 0.0, float("nan")))
-    tl.store(out_ptr + i_b * stride_ob + i_h * stride_oh + o_e, b_o.to(out_ptr.dtype.element_ty),
-             mask=m_e)

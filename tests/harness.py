@@ -126,7 +126,8 @@ def poison_like(shape, dtype: str) -> np.ndarray:
 def assert_close(actual, expected, dtype: str, what: str = "", scale: float = 1.0,
                  extra_atol: float = 0.0):
     """NaN must be NaN exactly where expected; otherwise a dtype-scaled tolerance
-    (plus ``extra_atol``, an error bound the caller derives for its case)."""
+    (plus ``extra_atol``, an error bound the caller derives for its case: a scalar or
+    one per element)."""
     a = np.asarray(actual, dtype=np.float64)
     e = np.asarray(expected, dtype=np.float64)
     assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
@@ -138,7 +139,8 @@ def assert_close(actual, expected, dtype: str, what: str = "", scale: float = 1.
     atol, rtol = TOL[dtype]
     fin = ~nan_e & ~inf_e
     err = np.abs(a[fin] - e[fin])
-    bound = scale * (atol + rtol * np.abs(e[fin])) + extra_atol
+    extra = np.broadcast_to(np.asarray(extra_atol, np.float64), e.shape)[fin]  # a scalar or per element
+    bound = scale * (atol + rtol * np.abs(e[fin])) + extra
     if err.size:
         worst = np.argmax(err - bound)
         assert np.all(err <= bound), \

@@ -28,11 +28,19 @@ TRITON = "_lightning_prefill_kernel"
 GLUON = {"bfloat16": "_gluon_prefill_kernel", "float32": "_gluon_prefill_tf32_kernel"}
 
 
-def check(actual, expected, dtype, what):
+def check(actual, expected, dtype, what, magnitude=None):
+    """``magnitude``: the result of the same recurrence on |q|, |k|, |v| (and |S0|),
+    which bounds every sum of products in it: on the GPU an fp32 element may also
+    miss by 2^-8 of it (tf32 operands carry 10 mantissa bits, and q k^T, the decayed
+    scores and v are each rounded once). A q.k that cancels to near 0 (seen at N=1,
+    D=32) has an error that a tolerance relative to the output alone cannot hold."""
     e = np.asarray(expected, np.float64)
     a = np.asarray(actual, np.float64)
     r = float(np.sqrt(np.mean(e ** 2))) or 1.0
-    assert_close(a / r, e / r, dtype, what, GPU_SCALE[dtype] if GPU else 1.0)
+    extra = 0.0
+    if GPU and dtype == "float32" and magnitude is not None:
+        extra = 2.0 ** -8 * np.asarray(magnitude, np.float64) / r
+    assert_close(a / r, e / r, dtype, what, GPU_SCALE[dtype] if GPU else 1.0, extra_atol=extra)
 
 
 def check_relative(actual, expected, dtype, what):
@@ -173,8 +181,10 @@ class LightningTests:
         ref_out, ref_kv = reference(q, k, v, ed, kvh, bs)
         assert out.dtype == q.dtype and kv.dtype == np.float32
         assert kv.shape == (b, h, -(-n // bs) + 1, d, e)
-        check(out, ref_out, dtype, "output")
-        check(kv, ref_kv, dtype, "per-block states")
+        mag_out, mag_kv = reference(*(np.abs(x.astype(np.float32)) for x in (q, k, v)), ed,
+                                    None if kvh is None else np.abs(kvh), bs)
+        check(out, ref_out, dtype, "output", mag_out)
+        check(kv, ref_kv, dtype, "per-block states", mag_kv)
 
     def test_bf16_past_fp16_range(self):
         """bf16 inputs whose scores and states exceed fp16's range (65504): bf16 has

@@ -399,6 +399,14 @@ class LightningTests:
         check(cache[slots], full_kv[:, :, -1], "float32", "state after decode")
         check(part_out, full_out[:, :, :n], "float32", "prefix outputs")
 
+    @pytest.mark.parametrize("ed_layout", list(DECAY_LAYOUTS))
+    def test_bnhd_layout_names_q(self, ed_layout):
+        """q, k, v in [B, N, H, D] (N != H): the error names q's layout, not ed's length."""
+        q, k, v, ed, _ = make_prefill(1, 3, 10, 16, 16, "float32")
+        q, k, v = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v))
+        with pytest.raises(ValueError, match=r"^q: shape \(1, 10, 3, 16\) looks like \[B, N, H, D\]"):
+            self.prefill(q, k, v, DECAY_LAYOUTS[ed_layout](ed), None, 4)
+
     def test_decode_host_slot_ids_checked(self):
         """Ids that are host data (torch CPU tensor, numpy array) are checked without a sync."""
         q, k, v, cache, slope = make_decode(2, 2, 16, 4, "float32")

@@ -227,6 +227,17 @@ def _check_decay(name, info, h) -> ArrayInfo:
     return ArrayInfo((h,), info.dtype, (info.strides[axis],))
 
 
+def _check_layout(q, ed):
+    """q in [B, N, H, D] (the layout of many other kernels) instead of [B, H, N, D]
+    shows as a decay whose head count is q's third axis: name q's layout, not ed."""
+    s = tuple(ed.shape)
+    heads = s[0] if len(s) in (1, 3) else s[1] if len(s) == 4 and s[0] == 1 else None
+    if (heads is not None and s in ((heads,), (heads, 1, 1), (1, heads, 1, 1))
+            and heads != q.shape[1] and heads == q.shape[2]):
+        raise ValueError(f"q: shape {tuple(q.shape)} looks like [B, N, H, D] with H = {heads} (ed's heads); "
+                         f"q, k and v are [B, H, N, D]: pass them transposed, e.g. q.transpose(1, 2)")
+
+
 def _check_head(name, size):
     if not 1 <= size <= MAX_HEAD_SIZE:
         raise ValueError(f"{name}: head size {size} is not in [1, {MAX_HEAD_SIZE}]")
@@ -257,6 +268,7 @@ def _validate_prefill(q, k, v, ed, kv_history, block_size, final_only) -> _Prefi
     for name, info in (("k", k), ("v", v)):
         if info.dtype != q.dtype:
             raise TypeError(f"{name}: dtype {info.dtype} differs from q's {q.dtype}")
+    _check_layout(q, ed)
     ed = _check_decay("ed", ed, h)
     _check_head("q", d)
     _check_head("v", e)

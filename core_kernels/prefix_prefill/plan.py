@@ -134,7 +134,7 @@ def plan_prefix_prefill(target: Target, q, k, v, k_cache, v_cache, b_loc, b_star
                         skip_decode: bool = False, output_dtype: str | None = None,
                         causal: bool = True, interleaved_v_pack_factor: int = 0,
                         is_block_table_ptr: bool = False, config: PrefixPrefillConfig | None = None) -> Plan:
-    """Plan prefix-prefill attention (spec: shared/specs/prefix_prefill.md).
+    """Plan prefix-prefill attention (contract: docs/ops/prefix_prefill.md).
 
     Array arguments are ArrayInfo (``output`` / ``k_scale`` / ``v_scale`` /
     ``alibi_slopes`` / ``sinks`` / ``fp8_out_scale`` may be None = absent).

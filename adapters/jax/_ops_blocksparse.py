@@ -30,19 +30,53 @@ def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_sc
                                       validate_indices=None):
     """Causal block-sparse attention over packed (varlen) sequences.
 
-    Same arguments and result as the torch adapter's function (q [Tq, Hq, D],
-    k/v [Tk, Hkv, D], int32 or int64 cu_seqlens, sparse_layout = (crow, col) int32
-    or int64; int64 needs jax_enable_x64, else JAX itself makes them int32);
-    sm_scale and max_seqlen are Python numbers (static), the arrays may be
-    traced: sequence lengths are read on the device, never on the host.
-    ``config`` (static): an optional ``BlocksparsePrefillConfig``,
-    ``BlocksparseDecodeConfig`` or ``BlocksparseGroupDecodeConfig`` overriding the
-    planner's kernel variant and tuning (see the torch adapter).
-    ``validate_indices``: True checks cu_seqlens_k/q, the layout and max_seqlen
-    before the launch (one host transfer; ValueError naming the argument; traced
-    arrays: ValueError), False never, None follows TANDEM_VALIDATE_INDICES
-    (docs/index_validation.md).
-    Returns [Tq, Hq, D] in q's dtype.
+    For sequence i the queries are the last q_len of its k_len positions (q_len = k_len:
+    prefill; q_len = 1: decode; between: prefill over a cached prefix).
+
+    Args:
+        q: [Tq, Hq, D] float16/bfloat16/float32 (D <= 256, any size).
+        k, v: [Tk, Hkv, D], q's dtype; Hq % Hkv == 0 (GQA: head h reads h // (Hq / Hkv)).
+        cu_seqlens_k: [B + 1] int32 or int64 cumulative key lengths (may be traced:
+            read on the device, never on the host).
+        cu_seqlens_q: [B + 1] int32 or int64, or None: decode (one query per sequence)
+            if Tq == B, else equal to cu_seqlens_k.
+        sm_scale: Python float (static) or None (1 / sqrt(D)).
+        sparse_layout: (crow [H, NB + 1], col [H, nnz]) int32 or int64 arrays (may be
+            traced), H = Hq or 1; per head, columns ascending, the diagonal in every row.
+            int64 needs jax_enable_x64, else JAX itself makes them int32.
+        block_size: the layout's block size (16..256, a power of two; static).
+        q_block_size: a multiple of block_size (static); a query attends to the union
+            of the columns of the layout rows of its q block (exact causal mask).
+        max_seqlen: static bound on sequence lengths (default: what the layout covers).
+        config: optional kernel variant and tuning, overriding the planner's choice
+            (static): a ``core_kernels.blocksparse_attention`` ``BlocksparsePrefillConfig``
+            (any batch), ``BlocksparseDecodeConfig`` (per-head split decode) or
+            ``BlocksparseGroupDecodeConfig`` (GQA-packed split decode); the decode
+            variants need a decode-only batch and q_block_size == block_size.
+        validate_indices: True checks cu_seqlens_k/q, the layout and max_seqlen before
+            the launch (one host transfer; ValueError naming the argument; traced
+            arrays: ValueError), False never, None follows TANDEM_VALIDATE_INDICES
+            (docs/index_validation.md).
+
+    Returns:
+        [Tq, Hq, D] in q's dtype.
+
+    Transforms: ``jax.jit``, ``jax.vmap`` (one launch; a batched cu_seqlens_k/q raises
+    NotImplementedError), ``jax.grad`` (custom VJP over q, k, v: deterministic
+    backward kernels, gradients in q's dtype; a decode ``config`` raises ValueError),
+    ``NamedSharding`` over heads and ``shard_map``, ``jax.export`` on a GPU
+    (docs/jax_export.md). On the CPU the kernels run under Triton's interpreter.
+
+    Example::
+
+        # 2 prefill sequences of 100 and 28 tokens, 64-token blocks
+        (crow, col), _ = build_sparse_layout(Hq, 128, 64, local_blocks=1, vert_stride=2)
+        cu = jnp.array([0, 100, 128], jnp.int32)
+        o = jax.jit(blocksparse_flash_attn_varlen_fwd, static_argnums=5)(
+            q, k, v, cu, cu, None, (jnp.asarray(crow), jnp.asarray(col)))
+
+    ``build_sparse_layout`` is ``core_kernels.blocksparse_attention.build_sparse_layout``.
+    See docs/ops/blocksparse_attention.md for the layout rules (a worked example) and tuning.
     """
     arrays = _arrays(q, k, v, cu_seqlens_k, cu_seqlens_q, sparse_layout, block_size, max_seqlen,
                      validate_indices)
@@ -172,10 +206,43 @@ def _put(x, device):
 
 def get_sparse_attn_mask(n_heads, q_len, max_seqlen, dtype, device, block_size=64, local_blocks=4,
                          vert_stride=4, homo_head=True, return_dense=False, dense_mask_type="binary"):
-    """vLLM's ``get_sparse_attn_mask`` as jax arrays: ``((crow, col), block_mask,
-    dense_mask or None)``, as the torch adapter's (see there). ``dtype``: of the block
-    and dense masks; ``device``: a jax Device (or sharding) or None (the default device).
-    crow and col are int64 with jax_enable_x64, else int32 (JAX's widest integer then).
+    """vLLM's ``get_sparse_attn_mask`` (same positional order and results), as jax arrays.
+
+    Args:
+        n_heads: number of heads (of the CSR and of a per-head block_mask / dense_mask).
+        q_len: query length; the CSR and dense mask cover the last q_len positions.
+        max_seqlen: sequence length the layout covers.
+        dtype: dtype of block_mask and dense_mask.
+        device: a jax Device (or sharding) to put the arrays on, or None (the default device).
+        block_size: layout block size (default 64).
+        local_blocks: most recent blocks every query block keeps (default 4).
+        vert_stride: every vert_stride-th block is kept too (default 4).
+        homo_head: True (default): one pattern for all heads; False: the vertical
+            offset slides from head to head (``get_head_sliding_step``).
+        return_dense: also build the token-level dense mask.
+        dense_mask_type: "binary" (default) or "bias"; anything else: ValueError.
+
+    Returns ``((crow, col), block_mask, dense_mask)``:
+    - block_mask: ``dtype`` 1/0, [NB, NB] if homo_head else [n_heads, NB, NB]
+      (NB = ceil(max_seqlen / block_size)): the local + vertical-stride layout;
+    - crow [n_heads, nbq + 1], col [n_heads, nnz]: int64 with jax_enable_x64, else int32
+      (JAX's widest integer then); CSR of the last nbq = ceil(q_len / block_size) rows,
+      col padded with -1 (with homo_head one row set expanded over the heads, as vLLM does);
+    - dense_mask: None, or with ``return_dense`` [n_heads, q_len, max_seqlen] in
+      ``dtype``: query i (absolute position max_seqlen - q_len + i) and key j, with
+      the token-level causal mask; "binary": 1 kept, 0 skipped; "bias": 0 kept,
+      -inf skipped. (Memory: n_heads * q_len * max_seqlen elements.)
+
+    Transforms: builds the layout on the host (numpy, concrete arguments only) and
+    puts it on ``device``; no kernel launch and no gradient. Its arrays may then be
+    passed into jitted calls.
+
+    Example::
+
+        (crow, col), block_mask, _ = get_sparse_attn_mask(32, 1, 4096, jnp.bfloat16, None,
+                                                          block_size=64, homo_head=False)
+
+    See docs/ops/blocksparse_attention.md ("The layout").
     """
     if dense_mask_type not in ("binary", "bias"):
         raise ValueError(f"dense_mask_type: expected 'binary' or 'bias', got {dense_mask_type!r}")
@@ -201,11 +268,44 @@ def _concrete(x):
 
 
 class LocalStridedBlockSparseAttn:
-    """vLLM's LocalStridedBlockSparseAttn for JAX: the torch module's constructor,
-    attributes and methods (see adapters.torch), a plain class holding the layout;
-    ``forward`` (also ``__call__``) works inside and outside jax.jit. ``device``: a
-    jax Device or None; ``dtype``: of the dense mask (default bfloat16). ``spda`` is
-    the dense fallback in jnp (a masked softmax over padded sequences, fp32 inside)."""
+    """Local + vertical-stride block-sparse attention (Phi-3-small style), vLLM's module in JAX.
+
+    A plain class holding the layout (no parameters), usable inside and outside jax.jit.
+
+    ``LocalStridedBlockSparseAttn(n_heads, max_seqlen, local_blocks, vert_stride,
+    block_size, device=None, dtype=None, homo_head=False, active_head_range=None,
+    q_block_size=None, use_spda=None)``:
+    - the kernel's layout (``build_sparse_layout``, int32; heads h0..h1-1 with
+      ``active_head_range=(h0, h1)``) is held on ``device`` (a jax Device or None: the
+      default device) as ``sparse_layout`` = (crow, col). With q_block_size (a positive
+      multiple of block_size, else ValueError) it keeps block_size rows: the kernel
+      merges them.
+    - ``use_spda``: None (default) or False runs the Triton kernel; True runs ``spda``
+      (a masked softmax in jnp over padded sequences, fp32 inside, prefill only).
+    - ``dtype``: of the dense mask (default bfloat16).
+    - ``homo_head`` defaults to False here (per-head shift, as Phi-3-small), unlike
+      ``get_sparse_attn_mask``.
+    Attributes and methods as vLLM's: ``sparse_layout``, ``block_mask``,
+    ``head_sliding_step``, ``get_attn_pattern``, ``varlen_attn``, ``spda``,
+    ``transpose_and_pad``, ``transpose_and_unpad``.
+
+    ``forward(q, k, v, cu_seqlens_k, cu_seqlens_q=None, sm_scale=None, *, config=None,
+    validate_indices=None)`` (also ``__call__``): q [Tq, Hq, D], k/v [Tk, Hkv, D],
+    cu_seqlens [B + 1] int32/int64 -> [Tq, Hq, D] in q's dtype; ``config`` and
+    ``validate_indices`` as blocksparse_flash_attn_varlen_fwd's (kernel only). A falsy
+    sm_scale means 1 / sqrt(D), as in vLLM.
+
+    Transforms (kernel path): ``jax.jit``, ``jax.vmap``, ``jax.grad``, sharding over
+    heads and ``jax.export`` on a GPU, as ``blocksparse_flash_attn_varlen_fwd``.
+
+    Example::
+
+        attn = LocalStridedBlockSparseAttn(32, 8192, local_blocks=16, vert_stride=8,
+                                           block_size=64)
+        o = jax.jit(attn)(q, k, v, cu_seqlens_k)     # q [Tq, 32, D], k/v [Tk, Hkv, D] bf16
+
+    See docs/ops/blocksparse_attention.md.
+    """
 
     def __init__(self, n_heads, max_seqlen, local_blocks, vert_stride, block_size, device=None,
                  dtype=None, homo_head=False, active_head_range=None, q_block_size=None,
@@ -298,6 +398,9 @@ class LocalStridedBlockSparseAttn:
 
     def forward(self, q, k, v, cu_seqlens_k, cu_seqlens_q=None, sm_scale=None, *, config=None,
                 validate_indices=None):
+        """q [Tq, Hq, D], k/v [Tk, Hkv, D], cu_seqlens_k/q [B + 1] int32/int64 -> [Tq, Hq, D]
+        in q's dtype; the kernel or ``spda`` (use_spda). A falsy sm_scale: 1 / sqrt(D).
+        Other arguments as ``blocksparse_flash_attn_varlen_fwd``'s."""
         if k.ndim != 3:
             raise ValueError(f"k: expected shape [Tk, Hkv, D], got {tuple(k.shape)}")
         if self.use_spda:

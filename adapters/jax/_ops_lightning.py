@@ -31,8 +31,9 @@ def lightning_attention(q, k, v, ed, block_size=256, kv_history=None,
 
     Args:
         q, k: [B, H, N, D]; v: [B, H, N, E]; float32/float16/bfloat16 (one dtype);
-            D, E <= 256, any size.
-        ed: [H], [H, 1, 1] or [1, H, 1, 1] float32 decay rates.
+            D, E <= 256, any size; N any length >= 1.
+        ed: [H], [H, 1, 1] or [1, H, 1, 1] float32 decay rates s_h >= 0 (+inf: no
+            carry-over).
         block_size: positive int; granularity of the returned per-block states
             (static under jax.jit). Parameters in vLLM's order, by position or
             keyword.
@@ -44,7 +45,26 @@ def lightning_attention(q, k, v, ed, block_size=256, kv_history=None,
             planner's choice (static).
     Returns:
         (output [B, H, N, E] in q's dtype, kv float32 [B, H, NB + 1, D, E] with
-        NB = ceil(N / block_size), or [B, H, D, E] with output_final_state_only).
+        NB = ceil(N / block_size), kv[:, :, i] the state before token
+        i * block_size and kv[:, :, NB] the final state; or [B, H, D, E] (final
+        state) with output_final_state_only).
+
+    Accumulation and state are fp32; on the GPU fp32/fp16 products run in tf32
+    and bf16 products in bf16; on the CPU the kernels run under Triton's interpreter.
+
+    Transforms: ``jax.jit``, ``jax.vmap`` (one launch), ``jax.grad`` (custom VJP:
+    gradients of q, k, v, ed and kv_history; the decay's gradient is computed only
+    where ed is differentiated), ``NamedSharding`` over batch or heads and
+    ``shard_map``, ``jax.export`` on a GPU (docs/jax_export.md).
+
+    Example::
+
+        q, k, v = (jnp.ones((B, H, N, D), jnp.bfloat16) for _ in range(3))
+        ed = jnp.full((H,), 0.1, jnp.float32)
+        o, kv = jax.jit(lightning_attention)(q, k, v, ed)          # kv [B, H, NB + 1, D, D]
+        o, final = lightning_attention(q, k, v, ed, output_final_state_only=True)
+
+    See docs/ops/lightning_attention.md for the recurrence, numerics and tuning.
     """
     arrays = dict(q=q, k=k, v=v, ed=ed)
     if kv_history is not None:
@@ -150,8 +170,11 @@ def linear_decode_forward_triton(q, k, v, kv_caches, slope_rate, slot_idx, BLOCK
                                  config=None, validate_indices=None):
     """One decode step of lightning attention over a slot-indexed state cache.
 
+    Computes S_new = exp(-slope_rate[h]) * S + k^T v and o = q S_new for each row b,
+    with S the state in kv_caches[slot_idx[b]].
+
     Args:
-        q, k: [B, H, 1, D]; v: [B, H, 1, E]; float32/float16/bfloat16.
+        q, k: [B, H, 1, D]; v: [B, H, 1, E]; float32/float16/bfloat16 (one dtype).
         kv_caches: [num_slots, H, D, E] float32, or bfloat16/float16 (updated
             in float32, stored rounded; the output uses the unrounded state).
         slope_rate: [H], [H, 1, 1] or [1, H, 1, 1] float32.
@@ -170,6 +193,20 @@ def linear_decode_forward_triton(q, k, v, kv_caches, slope_rate, slot_idx, BLOCK
         (output [B, H * E] in q's dtype, new kv_caches). The cache is aliased to
         the kernel's output: under jax.jit with kv_caches donated it is updated
         in place, without a copy; slots not named in slot_idx keep their bits.
+
+    Transforms: ``jax.jit`` (slot_idx may be traced), ``jax.vmap`` (one launch; slot_idx
+    and slope_rate both batched raise NotImplementedError), ``NamedSharding`` over heads and
+    ``shard_map``, ``jax.export`` on a GPU (docs/jax_export.md). No backward
+    (not differentiable with ``jax.grad``).
+
+    Example::
+
+        q, k, v = (jnp.ones((B, H, 1, D), jnp.bfloat16) for _ in range(3))
+        kv_caches = jnp.zeros((num_slots, H, D, D), jnp.float32)
+        step = jax.jit(linear_decode_forward_triton, donate_argnums=3)
+        o, kv_caches = step(q, k, v, kv_caches, slope_rate, jnp.arange(B))  # o [B, H * D]
+
+    See docs/ops/lightning_attention.md.
     """
     if isinstance(slot_idx, np.ndarray) or (
             isinstance(slot_idx, jax.Array) and not isinstance(slot_idx, jax.core.Tracer)

@@ -39,8 +39,9 @@ def lightning_attention_varlen(q, k, v, ed, cu_seqlens, *, kv_cache=None, slot_i
     kv_cache[slot_idx[b]] (or 0), exactly as ``lightning_attention`` on that sequence.
 
     Args:
-        q, k: [T, H, D]; v: [T, H, E]; float32/float16/bfloat16 (one dtype); D, E <= 256.
-        ed: [H], [H, 1, 1] or [1, H, 1, 1] float32 decay rates.
+        q, k: [T, H, D]; v: [T, H, E]; float32/float16/bfloat16 (one dtype); D, E <= 256,
+            any size.
+        ed: [H], [H, 1, 1] or [1, H, 1, 1] float32 decay rates s_h >= 0.
         cu_seqlens: [B + 1] int32/int64 (may be traced): cu_seqlens[0] = 0,
             non-decreasing, cu_seqlens[B] = T; sequences may be empty. Checked
             (ValueError) when it is host data; traced or on the GPU an invalid one is
@@ -52,7 +53,10 @@ def lightning_attention_varlen(q, k, v, ed, cu_seqlens, *, kv_cache=None, slot_i
             out-of-range id gives that sequence NaN outputs and touches no slot.
         block_size: positive int (static), accepted for symmetry with
             ``lightning_attention``; only final states are returned.
-        config: optional ``LightningVarlenConfig`` (static).
+        config: optional ``core_kernels.lightning_attention.LightningVarlenConfig``
+            (forces the Triton kernel, its tiling and segmentation) or
+            ``LightningVarlenGluonConfig`` (forces the Gluon kernels; ValueError where
+            they do not apply), overriding the planner's choice (static).
         validate_indices: True checks cu_seqlens and slot_idx before the launch,
             wherever they live (one host transfer; ValueError; traced: ValueError);
             False never; None follows TANDEM_VALIDATE_INDICES (docs/index_validation.md).
@@ -60,7 +64,25 @@ def lightning_attention_varlen(q, k, v, ed, cu_seqlens, *, kv_cache=None, slot_i
         (output [T, H, E] in q's dtype, new kv_cache or, without a cache, the final
         states [B, H, D, E] float32). The new cache is aliased to the kernel's output:
         under jax.jit with kv_cache donated it is updated in place without a copy;
-        slots not named keep their bits.
+        slots not named keep their bits. Without a cache every sequence starts from zero.
+
+    Transforms: one launch whatever the lengths; ``jax.jit`` (cu_seqlens and slot_idx
+    may be traced), ``jax.vmap`` (one launch; ed batched together with cu_seqlens or
+    slot_idx raises NotImplementedError), ``jax.grad`` (custom VJP over q, k, v, ed
+    and kv_cache; the decay's gradient only where ed is differentiated),
+    ``NamedSharding`` over heads and ``shard_map``, ``jax.export`` on a GPU
+    (docs/jax_export.md). On the CPU the kernels run under Triton's interpreter.
+
+    Example::
+
+        # sequences of 5, 0 and 3 tokens; slots 2, none (-1) and 0 of a 4-slot cache
+        q, k, v = (jnp.ones((8, H, D), jnp.bfloat16) for _ in range(3))
+        cu_seqlens = jnp.array([0, 5, 5, 8], jnp.int32)
+        kv_cache = jnp.zeros((4, H, D, D), jnp.float32)
+        o, kv_cache = lightning_attention_varlen(q, k, v, ed, cu_seqlens, kv_cache=kv_cache,
+                                                 slot_idx=jnp.array([2, -1, 0], jnp.int32))
+
+    See docs/ops/lightning_attention_varlen.md for the worked example and how it runs.
     """
     arrays = dict(q=q, k=k, v=v, ed=ed, cu_seqlens=cu_seqlens)
     if kv_cache is not None:

@@ -23,7 +23,8 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
     """Merge two partial attention results using their log-sum-exps.
 
     Args:
-        prefix_output, suffix_output: [N, H, D] float32/float16/bfloat16.
+        prefix_output, suffix_output: [N, H, D] float32/float16/bfloat16 (one dtype,
+            one device); D from 1 to 512, N may be 0.
         prefix_lse, suffix_lse: [H, N] float32 natural-log LSE (+inf or -inf = empty part).
         prefill_tokens_with_context: None (= N), a host int (Python/numpy int or
             0-d numpy array, in [0, N]) or an int JAX array, possibly traced
@@ -34,9 +35,27 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
             output is fp8 e4m3 = fp8(clamp(value / scale)).
         output_dtype: the output dtype; defaults to the input dtype (fp8 e4m3
             with output_scale).
-        config: optional ``MergeConfig`` overriding the planner's tiling (static).
+        config: optional ``core_kernels.merge_attn_states.MergeConfig`` overriding the
+            planner's tiling (static).
+
     Returns:
-        (output [N, H, D], output_lse [H, N] float32).
+        (output [N, H, D] in output_dtype, output_lse [H, N] float32): token t < the
+        count merges the two parts, t >= it copies the suffix and its LSE.
+
+    Transforms: ``jax.jit`` (the count and the scale may be traced), ``jax.vmap``
+    (one launch; a batched ``output_scale`` raises NotImplementedError), ``jax.grad``
+    (custom VJP over the four inputs; an fp8 output has no backward: ValueError),
+    ``NamedSharding`` over heads (or tokens, without a count) and ``shard_map``,
+    ``jax.export`` on a GPU (docs/jax_export.md). On the CPU the kernels run under
+    Triton's interpreter.
+
+    Example::
+
+        po, so = (jnp.ones((N, H, D), jnp.bfloat16) for _ in range(2))
+        pl, sl = (jnp.zeros((H, N), jnp.float32) for _ in range(2))
+        out, out_lse = jax.jit(merge_attn_states)(po, pl, so, sl)
+
+    See docs/ops/merge_attn_states.md for the formula, tuning and performance.
     """
     arrays = dict(prefix_output=prefix_output, prefix_lse=prefix_lse,
                   suffix_output=suffix_output, suffix_lse=suffix_lse)
@@ -155,8 +174,21 @@ def mask_empty_context_lse(lse, query_start_loc, context_start_loc):
         context_start_loc: [R + 1] int32/int64: request r's context chunk is
             empty when context_start_loc[r] == context_start_loc[r + 1].
     Returns:
-        the new lse [H, T], aliased to the input (under jax.jit with lse donated
+        the new lse [H, T] float32, aliased to the input (under jax.jit with lse donated
         it is updated without a copy). Tokens of no request keep their values.
+
+    Transforms: one launch, no host sync; ``jax.jit`` (the start locs may be traced),
+    ``jax.vmap`` (one launch, batched start locs included), ``NamedSharding`` over
+    heads and ``shard_map``, ``jax.export`` on a GPU (docs/jax_export.md). No backward
+    (not differentiable with ``jax.grad``).
+
+    Example::
+
+        # 2 requests: tokens 0..2 (context empty) and 3..4 (context non-empty)
+        qsl, csl = jnp.array([0, 3, 5]), jnp.array([0, 0, 7])
+        prefix_lse = mask_empty_context_lse(prefix_lse, qsl, csl)  # [H, 5]: columns 0..2 -> -inf
+
+    See docs/ops/merge_attn_states.md.
     """
     arrays = dict(lse=lse, query_start_loc=query_start_loc, context_start_loc=context_start_loc)
     (out,) = _spmd.call(MASK_EMPTY_CONTEXT_LSE, _mask, arrays)

@@ -26,23 +26,83 @@ def context_attention_fwd(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_l
                           config=None, validate_indices=None):
     """Causal attention of new tokens over their paged context and themselves.
 
-    Shapes, dtypes and options as in ``adapters.torch.context_attention_fwd``;
-    the block table, start offsets, lengths and scales may be traced values.
-    ``max_input_len`` is static (default T, always valid). ``max_seq_len``
-    (static, None or 0: unknown): a bound on every sequence's context length
-    that sizes the gathered context, as in the torch op. ``output``: optional
-    [T, Hq, D] array aliased to the result, so rows skipped by ``skip_decode``
-    keep its values (zeros when absent) and a donated buffer is updated in place.
-    ``k`` and ``v`` None: the new tokens' K/V are read from the paged cache.
-    ``causal``, ``interleaved_v_pack_factor`` (static) as in the torch op;
-    ``is_block_table_ptr``: ``b_loc`` (int64) holds device addresses of K cache
-    blocks (``k_cache.unsafe_buffer_pointer() + id * bytes per block``; GPU only:
-    under the interpreter the kernels run on host copies, NotImplementedError).
-    ``config``: optional ``PrefixPrefillConfig`` overriding the planner's tiling (static).
-    ``validate_indices``: True checks the index data before the launch (one host
-    transfer; ValueError naming the argument; traced arrays: ValueError), False
-    never, None follows TANDEM_VALIDATE_INDICES (docs/index_validation.md).
-    Returns o: [T, Hq, D] in q's dtype, or float8_e4m3fn with ``fp8_out_scale``.
+    T = new tokens of all sequences, B = sequences, Hq query heads, Hkv KV heads;
+    D <= 256, any size.
+
+    Args:
+        q: [T, Hq, D] float32/float16/bfloat16, the new tokens of all sequences, packed.
+        k, v: [T, Hkv, D] (q's dtype), K/V of the new tokens; Hq % Hkv == 0 (query
+            head h reads KV head h // (Hq / Hkv)). Both None: the new tokens' K/V are
+            read from the paged cache (positions context_len .. seq_len - 1 of each
+            sequence; not with alibi_slopes).
+        k_cache: [num_blocks, Hkv, D // x, block_size, x]; v_cache: [num_blocks,
+            Hkv, D, block_size]; q's dtype, an fp8 dtype, or uint8 holding fp8 (with
+            an fp8 ``kv_cache_dtype``); any x dividing D, any block_size.
+        b_loc: [B, max_blocks_per_seq] int32/int64 block table (physical block of
+            each logical block); b_start_loc: [B + 1] int32/int64 cumulative query
+            starts; b_seq_len: [B] int32/int64 context + query lengths. All may be
+            traced (device data: new values never recompile).
+        max_input_len: static int, upper bound on the query length of any sequence
+            (sets the grid; default T, always valid; a value above T acts as T).
+        max_seq_len: static int >= 0 or None. > 0: an upper bound on every
+            sequence's context length that sizes the scratch the paged context is
+            gathered into (a longer context gives that sequence NaN outputs);
+            0 or None: unknown (the block table's width sizes it).
+        kv_cache_dtype: "auto" (the cache's dtype), "fp8" / "fp8_e4m3" or "fp8_e5m2"
+            (a uint8 cache is reinterpreted), or "float16" / "bfloat16" / "float32"
+            (read as "auto", as vLLM does).
+        k_scale, v_scale: fp8 dequantisation scales: finite floats > 0 or 1-element
+            float32 arrays (may be traced), applied to fp8 cache values only.
+        alibi_slopes: optional [Hq] float ALiBi slopes.
+        sliding_window: None or <= 0 disables; else key t is visible to query
+            position p iff p - t < window.
+        sm_scale: softmax scale (default 1/sqrt(D)).
+        skip_decode: rows of sequences with a query length of 1 are not computed
+            (they keep ``output``'s values).
+        fp8_out_scale: None, or a finite float > 0 / 1-element float32 array: the
+            output is float8_e4m3fn = fp8(clamp(attn / fp8_out_scale)).
+        sinks: optional [Hq] float logits that join the softmax denominator only.
+        output: optional [T, Hq, D] array (the output dtype) aliased to the result, so
+            rows skipped by ``skip_decode`` keep its values (zeros when absent) and a
+            donated buffer is updated in place.
+        is_block_table_ptr: static; ``b_loc`` (int64) holds device addresses of K
+            cache blocks (``k_cache.unsafe_buffer_pointer() + id * bytes per block``;
+            0 for an unused slot). GPU only: under the interpreter the kernels run on
+            host copies (NotImplementedError).
+        interleaved_v_pack_factor: static; x > 0: ``v_cache`` (same 4-D shape, last
+            two dims contiguous) holds [num_blocks, Hkv, block_size // x, D, x] in
+            memory; 0: [num_blocks, Hkv, D, block_size].
+        causal: static; False lets each new token attend to every new token of its
+            sequence (and its whole context); not with alibi_slopes.
+        config: optional ``core_kernels.prefix_prefill.PrefixPrefillConfig``
+            overriding the tiling and the context gather the planner would choose (static).
+        validate_indices: True checks b_loc, b_start_loc, b_seq_len and
+            max_input_len against each other and the cache before the launch (one host
+            transfer; ValueError naming the argument; traced arrays: ValueError); False
+            never; None follows TANDEM_VALIDATE_INDICES (docs/index_validation.md).
+
+    Returns:
+        o: [T, Hq, D] in q's dtype, or float8_e4m3fn with ``fp8_out_scale``.
+
+    Transforms: ``jax.jit`` (block table, offsets, lengths and scales may be traced),
+    ``jax.vmap`` (one launch; batched k_scale / v_scale / fp8_out_scale raise
+    NotImplementedError, as do alibi_slopes / sinks or is_block_table_ptr with batched
+    index data), ``NamedSharding`` over heads and ``shard_map``, ``jax.export`` on a
+    GPU (docs/jax_export.md). Forward only: not differentiable with ``jax.grad``. On
+    the CPU the kernels run under Triton's interpreter.
+
+    Example::
+
+        # 2 sequences: 3 new tokens over 6 cached, 1 new token over 4 cached
+        q = jnp.ones((4, Hq, D), jnp.bfloat16)
+        k = v = jnp.ones((4, Hkv, D), jnp.bfloat16)
+        b_start_loc = jnp.array([0, 3, 4], jnp.int32)
+        b_seq_len = jnp.array([9, 5], jnp.int32)
+        o = context_attention_fwd(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len,
+                                  max_input_len=3, max_seq_len=6)
+
+    See docs/ops/prefix_prefill.md for the paged-cache layout (a worked example),
+    numerics, memory and tuning.
     """
     arrays = dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, b_loc=b_loc,
                   b_start_loc=b_start_loc, b_seq_len=b_seq_len, output=output,

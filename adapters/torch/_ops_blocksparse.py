@@ -153,14 +153,30 @@ def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_sc
         validate_indices: True checks cu_seqlens_k/q, the layout and max_seqlen
             before the launch (one host sync; ValueError naming the argument); False
             never; None (default) follows TANDEM_VALIDATE_INDICES (docs/index_validation.md).
-    Returns: [Tq, Hq, D] in q's dtype. No host synchronisation (unless validating):
-    works under torch.compile(fullgraph=True) and in CUDA graphs.
+
+    Returns:
+        [Tq, Hq, D] in q's dtype (a new tensor).
+
+    Transforms: no host synchronisation (unless validating): eager,
+    ``torch.compile(fullgraph=True)``, CUDA graphs, DTensor (sharded over heads) and
+    autograd. CPU tensors run under Triton's interpreter on a machine without a GPU.
 
     Autograd: when grad mode is on and q, k or v requires grad, the call runs
     ``tandem_attn::blocksparse_flash_attn_varlen_fwd_lse`` (the prefill kernel,
     also saving each row's LSE; a decode ``config`` is refused with ValueError)
     whose backward (``blocksparse_flash_attn_varlen_backward``, deterministic:
     no atomics) gives dq, dk, dv in q's dtype. No double backward.
+
+    Example::
+
+        # 2 prefill sequences of 100 and 28 tokens, 64-token blocks
+        (crow, col), _ = build_sparse_layout(Hq, 128, 64, local_blocks=1, vert_stride=2)
+        layout = (torch.tensor(crow, device="cuda"), torch.tensor(col, device="cuda"))
+        cu = torch.tensor([0, 100, 128], device="cuda", dtype=torch.int32)
+        o = blocksparse_flash_attn_varlen_fwd(q, k, v, cu, cu, None, layout, block_size=64)
+
+    ``build_sparse_layout`` is ``core_kernels.blocksparse_attention.build_sparse_layout``.
+    See docs/ops/blocksparse_attention.md for the layout rules (a worked example) and tuning.
     """
     crow, col = sparse_layout
     tensors = (q, k, v, cu_seqlens_k, cu_seqlens_q, crow, col)
@@ -206,6 +222,20 @@ def get_sparse_attn_mask(n_heads, q_len, max_seqlen, dtype, device, block_size=6
                          vert_stride=4, homo_head=True, return_dense=False, dense_mask_type="binary"):
     """vLLM's ``get_sparse_attn_mask`` (same positional order and results), as torch tensors.
 
+    Args:
+        n_heads: number of heads (of the CSR and of a per-head block_mask / dense_mask).
+        q_len: query length; the CSR and dense mask cover the last q_len positions.
+        max_seqlen: sequence length the layout covers.
+        dtype: torch dtype of block_mask and dense_mask.
+        device: torch device (or its name), or None (the current CUDA device, else CPU).
+        block_size: layout block size (default 64).
+        local_blocks: most recent blocks every query block keeps (default 4).
+        vert_stride: every vert_stride-th block is kept too (default 4).
+        homo_head: True (default): one pattern for all heads; False: the vertical
+            offset slides from head to head (``get_head_sliding_step``).
+        return_dense: also build the token-level dense mask.
+        dense_mask_type: "binary" (default) or "bias"; anything else: ValueError.
+
     Returns ``((crow, col), block_mask, dense_mask)`` on ``device``:
     - block_mask: ``dtype`` 1/0, [NB, NB] if homo_head else [n_heads, NB, NB]
       (NB = ceil(max_seqlen / block_size)): the local + vertical-stride layout;
@@ -217,6 +247,16 @@ def get_sparse_attn_mask(n_heads, q_len, max_seqlen, dtype, device, block_size=6
       the token-level causal mask; "binary": 1 kept, 0 skipped; "bias": 0 kept,
       -inf skipped. (Memory: n_heads * q_len * max_seqlen elements.)
     The framework-free layout builder is ``core_kernels.blocksparse_attention.build_sparse_layout``.
+
+    Transforms: builds the layout on the host (numpy) and copies it to ``device``; no
+    kernel launch and no gradient.
+
+    Example::
+
+        (crow, col), block_mask, _ = get_sparse_attn_mask(32, 1, 4096, torch.bfloat16, "cuda",
+                                                          block_size=64, homo_head=False)
+
+    See docs/ops/blocksparse_attention.md ("The layout").
     """
     if dense_mask_type not in ("binary", "bias"):
         raise ValueError(f"dense_mask_type: expected 'binary' or 'bias', got {dense_mask_type!r}")
@@ -269,11 +309,27 @@ class LocalStridedBlockSparseAttn(torch.nn.Module):
     - ``use_spda``: None (default) or False runs the Triton kernel, on every device
       (CPU tensors through Triton's interpreter); True runs ``spda`` (torch SDPA with
       the dense bias mask, prefill only, reads cu_seqlens on the host).
-    - ``dtype`` (default bfloat16) and ``device`` are those of the dense mask.
+    - ``device`` (default: the current CUDA device, else CPU) holds the layout buffers
+      and the dense mask; ``dtype`` (default bfloat16; float16 on a GPU older than
+      sm_80) is the dense mask's.
+    - ``homo_head`` defaults to False here (per-head shift, as Phi-3-small), unlike
+      ``get_sparse_attn_mask``.
     ``forward(q, k, v, cu_seqlens_k, cu_seqlens_q=None, sm_scale=None, *, config=None,
     validate_indices=None)`` -> [Tq, Hq, D]; ``config`` and ``validate_indices`` as
     blocksparse_flash_attn_varlen_fwd's (kernel only).
     A falsy sm_scale means 1 / sqrt(D), as in vLLM.
+
+    Transforms (kernel path): eager, ``torch.compile(fullgraph=True)``, CUDA graphs,
+    DTensor and autograd, as ``blocksparse_flash_attn_varlen_fwd``. ``use_spda=True``
+    runs torch SDPA instead and reads cu_seqlens on the host (a host sync).
+
+    Example::
+
+        attn = LocalStridedBlockSparseAttn(32, 8192, local_blocks=16, vert_stride=8,
+                                           block_size=64, device="cuda")
+        o = attn(q, k, v, cu_seqlens_k)        # q [Tq, 32, D], k/v [Tk, Hkv, D] bf16
+
+    See docs/ops/blocksparse_attention.md.
     """
 
     def __init__(self, n_heads, max_seqlen, local_blocks, vert_stride, block_size, device=None,
@@ -366,6 +422,9 @@ class LocalStridedBlockSparseAttn(torch.nn.Module):
 
     def forward(self, q, k, v, cu_seqlens_k, cu_seqlens_q=None, sm_scale=None, *, config=None,
                 validate_indices=None):
+        """q [Tq, Hq, D], k/v [Tk, Hkv, D], cu_seqlens_k/q [B + 1] int32/int64 -> [Tq, Hq, D]
+        in q's dtype; the kernel or ``spda`` (use_spda). A falsy sm_scale: 1 / sqrt(D).
+        Other arguments as ``blocksparse_flash_attn_varlen_fwd``'s."""
         if k.dim() != 3:
             raise ValueError(f"k: expected shape [Tk, Hkv, D], got {tuple(k.shape)}")
         if self.use_spda:

@@ -121,8 +121,22 @@ def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: t
         i * block_size and kv[:, :, NB] the final state; or [B, H, D, E] (final
         state) with output_final_state_only.
     Accumulation and state are fp32; on the GPU fp32/fp16 products run in tf32
-    and bf16 products in bf16. Works eagerly, under torch.compile and in CUDA
-    graphs; CPU tensors run under Triton's interpreter on a machine without a GPU.
+    and bf16 products in bf16. CPU tensors run under Triton's interpreter on a
+    machine without a GPU.
+
+    Transforms: eager, ``torch.compile(fullgraph=True)``, CUDA graphs (no host sync),
+    DTensor (sharded over batch or heads) and autograd: ``loss.backward()`` gives
+    the gradients of q, k, v, ed and kv_history (deterministic backward kernels;
+    the decay's gradient only when ed requires grad).
+
+    Example::
+
+        q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        ed = torch.rand(H, device="cuda")
+        o, kv = lightning_attention(q, k, v, ed, block_size=256)   # kv [B, H, NB + 1, D, D]
+        o, final = lightning_attention(q, k, v, ed, output_final_state_only=True)
+
+    See docs/ops/lightning_attention.md for the recurrence, numerics and tuning.
     """
     tensors, scalars = (q, k, v, ed, kv_history), (block_size, output_final_state_only, config)
     env = _PREFILL_MEMO.lookup(tensors, scalars, False)
@@ -192,7 +206,20 @@ def linear_decode_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             follows TANDEM_VALIDATE_INDICES (docs/index_validation.md). Host
             slot ids are range-checked either way.
     Returns:
-        output [B, H * E] in q's dtype, o = q S_new.
+        output [B, H * E] in q's dtype, o = q S_new (``kv_caches`` is updated in place).
+
+    Transforms: eager, ``torch.compile(fullgraph=True)``, CUDA graphs (no host sync
+    unless validating) and DTensor (sharded over heads). No backward: a call that
+    needs one raises RuntimeError.
+
+    Example::
+
+        q, k, v = (torch.randn(B, H, 1, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        kv_caches = torch.zeros(num_slots, H, D, D, device="cuda")
+        slot_idx = torch.arange(B, device="cuda")
+        o = linear_decode_forward_triton(q, k, v, kv_caches, slope_rate, slot_idx)  # [B, H * D]
+
+    See docs/ops/lightning_attention.md.
     """
     tensors = (q, k, v, kv_caches, slope_rate, slot_idx)
     env = _DECODE_MEMO.lookup(tensors, (BLOCK_SIZE, config), validate_indices)

@@ -183,15 +183,32 @@ def lightning_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         block_size: positive int, accepted for symmetry with ``lightning_attention``;
             only final states are returned, so it does not change the result.
         config: optional ``core_kernels.lightning_attention.LightningVarlenConfig``
-            overriding the planner's tiling and segmentation.
+            (forces the Triton kernel, its tiling and segmentation) or
+            ``LightningVarlenGluonConfig`` (forces the Gluon kernels; ValueError where
+            they do not apply), overriding the planner's choice.
         validate_indices: True checks cu_seqlens and slot_idx before the launch,
             wherever they live (one host sync; ValueError); False never; None
             (default) follows TANDEM_VALIDATE_INDICES (docs/index_validation.md).
     Returns:
         (output [T, H, E] in q's dtype, kv_cache (the argument, updated) or, without
-        a cache, the final states [B, H, D, E] float32).
-    One kernel launch whatever the lengths (no host sync): works eagerly, under
-    torch.compile(fullgraph=True) and in CUDA graphs.
+        a cache, the final states [B, H, D, E] float32; every sequence then starts from zero).
+
+    Transforms: one kernel launch whatever the lengths (no host sync unless
+    validating): eager, ``torch.compile(fullgraph=True)``, CUDA graphs, DTensor
+    (sharded over heads) and autograd (gradients of q, k, v, ed and kv_cache; see
+    kv_cache above). CPU tensors run under Triton's interpreter on a machine without a GPU.
+
+    Example::
+
+        # sequences of 5, 0 and 3 tokens; slots 2, none (-1) and 0 of a 4-slot cache
+        q, k, v = (torch.randn(8, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        cu_seqlens = torch.tensor([0, 5, 5, 8], device="cuda", dtype=torch.int32)
+        kv_cache = torch.zeros(4, H, D, D, device="cuda")
+        slot_idx = torch.tensor([2, -1, 0], device="cuda", dtype=torch.int32)
+        o, kv_cache = lightning_attention_varlen(q, k, v, ed, cu_seqlens, kv_cache=kv_cache,
+                                                 slot_idx=slot_idx)
+
+    See docs/ops/lightning_attention_varlen.md for the worked example and how it runs.
     """
     tensors = (q, k, v, ed, cu_seqlens, kv_cache, slot_idx)
     env = _MEMO.lookup(tensors, (block_size, config), validate_indices)

@@ -168,8 +168,13 @@ def merge_attn_states(output: torch.Tensor, prefix_output: torch.Tensor, prefix_
             finite float > 0; output is fp8(clamp(value / scale)).
         config: optional ``core_kernels.merge_attn_states.MergeConfig`` overriding the
             tiling the planner would choose.
-    Works eagerly, under ``torch.compile(fullgraph=True)`` and in CUDA graphs.
-    On a machine without a GPU, CPU tensors run under Triton's interpreter.
+
+    Returns:
+        None: ``output`` (and ``output_lse`` if given) are written in place.
+
+    Transforms: eager, ``torch.compile(fullgraph=True)``, CUDA graphs (no host sync),
+    autograd and DTensor (head-sharded inputs run locally). On a machine
+    without a GPU, CPU tensors run under Triton's interpreter.
 
     Autograd: when grad mode is on and an input requires grad, the call runs
     the functional ``tandem_attn::merge_attn_states_functional`` (which has a
@@ -177,6 +182,15 @@ def merge_attn_states(output: torch.Tensor, prefix_output: torch.Tensor, prefix_
     (in-place copies autograd records), so ``loss.backward()`` reaches the
     prefix / suffix outputs and LSEs. An fp8 output (``output_scale``) has no
     backward (ValueError). Calls that need no gradient take the in-place path.
+
+    Example::
+
+        po, so = (torch.randn(N, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        pl, sl = (torch.randn(H, N, device="cuda") for _ in range(2))
+        out, out_lse = torch.empty_like(po), torch.empty_like(pl)
+        merge_attn_states(out, po, pl, so, sl, out_lse)
+
+    See docs/ops/merge_attn_states.md for the formula, tuning and performance.
     """
     # a host count or scale is no tensor: such calls are never replayed (CallMemo)
     if _MEMO.lookup((output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse, output_scale,
@@ -218,7 +232,22 @@ def mask_empty_context_lse(lse: torch.Tensor, query_start_loc: torch.Tensor,
             are query_start_loc[r] .. query_start_loc[r + 1] - 1.
         context_start_loc: [R + 1] int32/int64: request r's context chunk is
             empty when context_start_loc[r] == context_start_loc[r + 1].
-    Tokens of no request keep their values. One launch, no host sync; works
-    eagerly, under ``torch.compile(fullgraph=True)`` and in CUDA graphs.
+        All three on the same device.
+
+    Returns:
+        None: ``lse`` is written in place. Tokens of no request keep their values.
+
+    Transforms: one launch, no host sync; eager, ``torch.compile(fullgraph=True)``,
+    CUDA graphs and DTensor (``lse`` sharded over heads). No backward: a call that
+    needs one raises RuntimeError.
+
+    Example::
+
+        # 2 requests: tokens 0..2 (context empty) and 3..4 (context non-empty)
+        qsl = torch.tensor([0, 3, 5], device="cuda")
+        csl = torch.tensor([0, 0, 7], device="cuda")
+        mask_empty_context_lse(prefix_lse, qsl, csl)   # prefix_lse [H, 5]: columns 0..2 -> -inf
+
+    See docs/ops/merge_attn_states.md.
     """
     _mask_op(lse, query_start_loc, context_start_loc)

@@ -100,9 +100,29 @@ def context_attention_fwd(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b
             max_input_len against each other and the cache before the launch (one
             host sync; ValueError naming the argument); False never; None (default)
             follows TANDEM_VALIDATE_INDICES (docs/index_validation.md).
-    All tensors may have any strides. Works eagerly, under
-    ``torch.compile(fullgraph=True)`` and in CUDA graphs; CPU tensors run under
-    Triton's interpreter on a machine without a GPU.
+    All tensors may have any strides. CPU tensors run under Triton's interpreter on
+    a machine without a GPU.
+
+    Returns:
+        None: ``o`` is written in place (rows skipped by ``skip_decode`` untouched).
+
+    Transforms: eager, ``torch.compile(fullgraph=True)``, CUDA graphs (index data is
+    never read on the host unless validating) and DTensor (sharded over heads).
+    Forward only: a call that needs a backward raises RuntimeError.
+
+    Example::
+
+        # 2 sequences: 3 new tokens over 6 cached, 1 new token over 4 cached
+        q = torch.randn(4, Hq, D, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(4, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        o = torch.empty_like(q)
+        b_start_loc = torch.tensor([0, 3, 4], device="cuda", dtype=torch.int32)
+        b_seq_len = torch.tensor([9, 5], device="cuda", dtype=torch.int32)
+        context_attention_fwd(q, k, v, o, "auto", k_cache, v_cache, b_loc, b_start_loc,
+                              b_seq_len, max_seq_len=6, max_input_len=3)
+
+    See docs/ops/prefix_prefill.md for the paged-cache layout (a worked example),
+    numerics, memory and tuning.
     """
     if _MEMO.lookup((q, k, v, o, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, k_scale, v_scale, alibi_slopes,
                      sinks, fp8_out_scale),

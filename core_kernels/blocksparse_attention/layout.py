@@ -20,8 +20,28 @@ def _check_positive(name, value):
 
 
 def get_head_sliding_step(n_heads: int, vert_stride: int, homo_head: bool = False) -> int:
-    """The per-head offset of the vertical stride: 0 for a homogeneous pattern,
-    else max(1, vert_stride // n_heads) (vLLM's ``get_head_sliding_step``)."""
+    """The per-head offset of the vertical stride (vLLM's ``get_head_sliding_step``).
+
+    Exported unchanged by both adapters (``adapters.torch`` and ``adapters.jax``).
+
+    Args:
+        n_heads: number of heads (int > 0).
+        vert_stride: the layout's vertical stride (int).
+        homo_head: True: one pattern for all heads.
+    Returns:
+        int: 0 if homo_head, else max(1, vert_stride // n_heads). Head h keeps key
+        block kb as a vertical column iff (kb + h * step + 1) % vert_stride == 0.
+
+    Transforms: a host function of Python ints (no arrays, no kernel): nothing to
+    compile, trace or differentiate.
+
+    Example::
+
+        get_head_sliding_step(2, 4)                    # 2
+        get_head_sliding_step(32, 8, homo_head=True)   # 0
+
+    See docs/ops/blocksparse_attention.md ("The layout").
+    """
     if homo_head:
         return 0
     return max(1, int(vert_stride) // int(n_heads))

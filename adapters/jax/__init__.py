@@ -7,9 +7,9 @@ from ._ops_prefix_prefill import context_attention_fwd
 
 __all__ = ["context_attention_fwd", "mask_empty_context_lse", "merge_attn_states",
            "merge_attn_states_backward"]
-from ._ops_blocksparse import (LocalStridedBlockSparseAttn, blocksparse_flash_attn_varlen_backward,
-                               blocksparse_flash_attn_varlen_fwd, blocksparse_flash_attn_varlen_fwd_lse,
-                               get_head_sliding_step, get_sparse_attn_mask)
+from ._ops_blocksparse import (blocksparse_flash_attn_varlen_backward, blocksparse_flash_attn_varlen_fwd,
+                               blocksparse_flash_attn_varlen_fwd_lse)
+from ._ops_blocksparse_module import LocalStridedBlockSparseAttn, get_head_sliding_step, get_sparse_attn_mask
 
 __all__ += ["LocalStridedBlockSparseAttn", "blocksparse_flash_attn_varlen_fwd", "get_head_sliding_step",
             "get_sparse_attn_mask", "blocksparse_flash_attn_varlen_fwd_lse",

@@ -3,8 +3,8 @@ from ._ops_merge import mask_empty_context_lse, merge_attn_states
 from ._ops_prefix_prefill import context_attention_fwd
 
 __all__ = ["context_attention_fwd", "mask_empty_context_lse", "merge_attn_states"]
-from ._ops_blocksparse import (LocalStridedBlockSparseAttn, blocksparse_flash_attn_varlen_fwd,
-                               get_head_sliding_step, get_sparse_attn_mask)
+from ._ops_blocksparse import blocksparse_flash_attn_varlen_fwd
+from ._ops_blocksparse_module import LocalStridedBlockSparseAttn, get_head_sliding_step, get_sparse_attn_mask
 
 __all__ += ["LocalStridedBlockSparseAttn", "blocksparse_flash_attn_varlen_fwd", "get_head_sliding_step",
             "get_sparse_attn_mask"]

@@ -10,6 +10,8 @@ problem (a frozen description of the facts) -> config (measured tables, or
 """
 from __future__ import annotations
 
+import math
+
 import dataclasses
 
 import numpy as np
@@ -231,8 +233,8 @@ def _check_layout(q, ed):
     """q in [B, N, H, D] (the layout of many other kernels) instead of [B, H, N, D]
     shows as a decay whose head count is q's third axis: name q's layout, not ed."""
     s = tuple(ed.shape)
-    heads = s[0] if len(s) in (1, 3) else s[1] if len(s) == 4 and s[0] == 1 else None
-    if (heads is not None and s in ((heads,), (heads, 1, 1), (1, heads, 1, 1))
+    heads = math.prod(s)  # the accepted layouts: [H], [H, 1, 1], [1, H, 1, 1]
+    if (s in ((heads,), (heads, 1, 1), (1, heads, 1, 1))
             and heads != q.shape[1] and heads == q.shape[2]):
         raise ValueError(f"q: shape {tuple(q.shape)} looks like [B, N, H, D] with H = {heads} (ed's heads); "
                          f"q, k and v are [B, H, N, D]: pass them transposed, e.g. q.transpose(1, 2)")

@@ -2,6 +2,8 @@
 forward, LSE forward and backward, independent per query head (kv heads grouped)."""
 from __future__ import annotations
 
+import dataclasses
+
 from ..op_axes import OpAxes, TOK_H_D, TOK_KVH_D
 
 PUBLIC = ("blocksparse_flash_attn_varlen_fwd",)
@@ -22,23 +24,12 @@ BLOCKSPARSE_VARLEN = OpAxes(
 
 # the forward a gradient needs (output plus each row's LSE [Tq, Hq]) and the
 # backward: per query head like the forward, dk / dv summed within a kv-head group
-BLOCKSPARSE_VARLEN_LSE = OpAxes(
-    "blocksparse_flash_attn_varlen_fwd_lse",
-    inputs=BLOCKSPARSE_VARLEN.inputs,
-    outputs={"output": TOK_H_D, "lse": ("tokens", "heads")},
-    independent=("heads",),
-    groups={"heads": "kv_heads"},
-    fold=("heads",),
-    unbatchable=("cu_seqlens_k", "cu_seqlens_q"),
-)
+BLOCKSPARSE_VARLEN_LSE = dataclasses.replace(
+    BLOCKSPARSE_VARLEN, name="blocksparse_flash_attn_varlen_fwd_lse",
+    outputs={"output": TOK_H_D, "lse": ("tokens", "heads")})
 
-BLOCKSPARSE_VARLEN_BACKWARD = OpAxes(
-    "blocksparse_flash_attn_varlen_backward",
+BLOCKSPARSE_VARLEN_BACKWARD = dataclasses.replace(
+    BLOCKSPARSE_VARLEN, name="blocksparse_flash_attn_varlen_backward",
     inputs={**BLOCKSPARSE_VARLEN.inputs, "output": TOK_H_D, "lse": ("tokens", "heads"),
             "grad_output": TOK_H_D},
-    outputs={"grad_q": TOK_H_D, "grad_k": TOK_KVH_D, "grad_v": TOK_KVH_D},
-    independent=("heads",),
-    groups={"heads": "kv_heads"},
-    fold=("heads",),
-    unbatchable=("cu_seqlens_k", "cu_seqlens_q"),
-)
+    outputs={"grad_q": TOK_H_D, "grad_k": TOK_KVH_D, "grad_v": TOK_KVH_D})

@@ -71,6 +71,9 @@ OPS = {
         # each row names its baseline: torch.compile from 4096 tokens, vLLM's kernel below
         baseline=("row", None, None),
         skip=("host-overhead",)),  # host time per call, not a kernel time
+    "reshape_and_cache_flash": dict(
+        case=("name",), time=("torch_us",), metric=(("GB/s", "GB/s"),), dtype="dtype",
+        baseline=("row", None, None)),   # each case names its baseline: torch index_copy_
     "prefix_prefill": dict(
         case=("name", "config"), time=("torch_us",), metric=(("TFLOP/s", "TFLOP/s"),),
         # vs_baseline = our TFLOP/s / 139: the modelled kernel's rate on this shape's FLOPs

@@ -47,6 +47,7 @@ COMPILED = {
                                    "_bsattn_bwd_dq_kernel", "_bsattn_bwd_dkdv_kernel",
                                    "_bsattn_bwd_dq_gluon_kernel", "_bsattn_bwd_dkdv_gluon_kernel"}),
     "example_scale": (2, {"_example_scale_kernel"}),
+    "reshape_and_cache_flash": (4, {"_reshape_and_cache_flash_kernel"}),
 }
 
 
@@ -71,6 +72,26 @@ def example_scale_cases():
     for dtype in ("bfloat16", "float32"):
         yield (f"example_scale {dtype}", hopper, plan_example_scale,
                dict(x=_ai((4096, 32, 128), dtype), scale=_ai((1,), "float32")), {})
+
+
+def reshape_and_cache_flash_cases():
+    from core_kernels.reshape_and_cache_flash import plan_reshape_and_cache_flash
+    hopper, _ = _targets()  # no Gluon kernels
+
+    def arrays(n, h, d, nb, bs, dtype, cache_dtype, cache_strides=None, scales=True):
+        cache = _ai((nb, bs, h, d), cache_dtype, cache_strides)
+        return dict(key=_ai((n, h, d), dtype), value=_ai((n, h, d), dtype), key_cache=cache, value_cache=cache,
+                    slot_mapping=_ai((n,), "int64"), k_scale=_ai((1,), "float32") if scales else None,
+                    v_scale=_ai((1,), "float32") if scales else None)
+
+    yield ("auto bf16 D128 block 16", hopper, plan_reshape_and_cache_flash,
+           arrays(8192, 8, 128, 1024, 16, "bfloat16", "bfloat16", scales=False), {})
+    yield ("fp8 e4m3 cache from bf16", hopper, plan_reshape_and_cache_flash,
+           arrays(8192, 8, 128, 1024, 16, "bfloat16", "float8_e4m3fn"), dict(kv_cache_dtype="fp8"))
+    yield ("fp8 e5m2 as uint8 from fp16, D80, 3 heads, block 544", hopper, plan_reshape_and_cache_flash,
+           arrays(100, 3, 80, 4, 544, "float16", "uint8"), dict(kv_cache_dtype="fp8_e5m2"))
+    yield ("auto fp32 D256, K of a [blocks, 2, 16, H, D] pair", hopper, plan_reshape_and_cache_flash,
+           arrays(64, 2, 256, 32, 16, "float32", "float32", (2 * 16 * 2 * 256, 2 * 256, 256, 1)), {})
 
 
 def merge_attn_states_cases():

@@ -132,8 +132,24 @@ def run_blocksparse(adapter, kw, keep):
                                                       tuple(map(conv, layout)), **kw)),)
 
 
+def run_cache(adapter, kw, keep):
+    """reshape_and_cache_flash into poisoned fp8 caches (kv_cache_dtype "fp8" unless given)."""
+    kw = dict(kw)
+    kw.setdefault("kv_cache_dtype", "fp8")
+    g = rng(7)
+    key, value = (g.standard_normal((5, 2, 8)).astype(np.float32) for _ in range(2))
+    slots = np.array([3, -1, 0, 6, 2], np.int64)
+    cache = poison_like((2, 4, 2, 8), "float8_e4m3fn")
+    if adapter == "torch":
+        kc, vc = to_torch(cache), to_torch(cache)
+        keep += [kc, vc]
+        at.reshape_and_cache_flash(to_torch(key), to_torch(value), kc, vc, to_torch(slots), **kw)
+        return _np(kc), _np(vc)
+    return tuple(map(_np, _aj().reshape_and_cache_flash(*map(to_jax, (key, value, cache, cache, slots)), **kw)))
+
+
 RUNNERS = {"merge": run_merge, "prefix": run_prefix, "lightning": run_lightning,
-           "decode": run_decode, "blocksparse": run_blocksparse}
+           "decode": run_decode, "blocksparse": run_blocksparse, "cache": run_cache}
 
 NAN, INF = float("nan"), float("inf")
 
@@ -201,6 +217,14 @@ BAD = [
     ("blocksparse", dict(max_seqlen=65), ValueError),   # beyond what the layout covers
     ("blocksparse", dict(max_seqlen=2.5), TypeError),
     ("blocksparse", dict(max_seqlen=2 ** 40), ValueError),
+    ("cache", dict(k_scale=0.0, v_scale=1.0), ValueError),
+    ("cache", dict(k_scale=1.0, v_scale=NAN), ValueError),
+    ("cache", dict(k_scale=INF, v_scale=1.0), ValueError),
+    ("cache", dict(k_scale=-0.5, v_scale=1.0), ValueError),
+    ("cache", dict(k_scale=True, v_scale=1.0), TypeError),
+    ("cache", dict(k_scale=1.0, v_scale="1"), TypeError),
+    ("cache", dict(k_scale=1.0, v_scale=1.0, kv_cache_dtype="fp9"), ValueError),
+    ("cache", dict(k_scale=1.0, v_scale=1.0, kv_cache_dtype=8), TypeError),
 ]
 BAD_TORCH_ONLY = [
     ("prefix", dict(max_seq_len=2.5), TypeError),
@@ -271,6 +295,8 @@ FORMS = [
     ("blocksparse", "block_size", 16, {}),
     ("blocksparse", "q_block_size", 32, {}),
     ("blocksparse", "max_seqlen", 64, {}),   # a bound below the real lengths is undefined
+    ("cache", "k_scale", 0.5, dict(v_scale=2.0)),
+    ("cache", "v_scale", 0.25, dict(k_scale=1.5)),
 ]
 
 

@@ -10,7 +10,10 @@ them). Bytes moved = N·Hkv·D·(2·key itemsize + 2·cache itemsize) + 8·N (sl
 torch_us: do_bench (cold L2); graph_us: CUDA graph over cold input sets (no host
 time). JAX and torch are also timed as back-to-back calls (pipelined, caches
 threaded through the donated jit), for the JAX/torch ratio. ``sweep-*`` rows time
-the tile alternatives of the planner's NOTE (TILE_ELEMENTS, NUM_WARPS).
+the tile alternatives of the planner's NOTE (TILE_ELEMENTS, NUM_WARPS), loads
+that wait for the slots (early_loads=False) and the interpreter's software fp8
+rounding on the GPU (soft_round=True). copy_us: torch ``copy_`` of key and value
+into contiguous buffers of their dtype (the same rows, no scatter, no quantisation).
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import gc
 
 from benchmarks import timing
 
-COLUMNS = ["name", "torch_us", "GB/s", "%copy", "graph_us", "jax_us", "torch_pipe_us", "jax/torch",
+COLUMNS = ["name", "torch_us", "GB/s", "%copy", "copy_us", "vs_copy", "graph_us", "jax_us", "torch_pipe_us", "jax/torch",
            "index_put_us", "vs_index_put", "jnp_us", "vs_jnp", "bitwise"]
 BENCH_CASES = (  # (name, tokens, kv heads, head size, key dtype, kv_cache_dtype)
     ("N8192-H8-D128-bf16", 8192, 8, 128, "bfloat16", "auto"),
@@ -53,8 +56,9 @@ def _index_put(key, value, key_cache, value_cache, slots, kv_cache_dtype):
     import torch
     h, d = key.shape[1:]
     for x, cache in ((key, key_cache), (value, value_cache)):
-        if kv_cache_dtype == "fp8":
-            x = (x.float() / SCALE).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        if kv_cache_dtype == "fp8":   # index_copy_ has no fp8 kernel: copy the bytes
+            x = (x.float() / SCALE).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+            cache = cache.view(torch.uint8)
         cache.view(-1, h, d).index_copy_(0, slots, x)
 
 
@@ -77,13 +81,16 @@ def sweep(copy_bw):
     for name, n, h, d, dtype, kvd in BENCH_CASES[:2]:
         key, value, kc, vc, slots, scale = _inputs(n, h, d, dtype, kvd)
         nbytes = _nbytes(key, kc)
-        for block_t in (1, 2, 4, 8):
-            for warps in (2, 4, 8):
-                cfg = ReshapeAndCacheConfig(block_t, 8, warps)
-                t = timing.kernel_time_torch(
-                    lambda: at.reshape_and_cache_flash(key, value, kc, vc, slots, kvd, scale, scale, config=cfg))
-                rows.append(dict(name=f"sweep-{name}-t{block_t}-w{warps}", torch_us=t * 1e6,
-                                 **{"GB/s": nbytes / t / 1e9, "%copy": 100 * nbytes / t / copy_bw}))
+        configs = {f"t{bt}-w{w}": ReshapeAndCacheConfig(bt, 8, w) for bt in (1, 2, 4, 8) for w in (2, 4, 8)}
+        configs["t2-w4-late-loads"] = ReshapeAndCacheConfig(2, 8, 4, early_loads=False)
+        if kvd != "auto":
+            configs["t2-w4-soft-round"] = ReshapeAndCacheConfig(2, 8, 4, soft_round=True)
+            configs["t1-w4-soft-round"] = ReshapeAndCacheConfig(1, 8, 4, soft_round=True)
+        for label, cfg in configs.items():
+            t = timing.kernel_time_torch(
+                lambda: at.reshape_and_cache_flash(key, value, kc, vc, slots, kvd, scale, scale, config=cfg))
+            rows.append(dict(name=f"sweep-{name}-{label}", torch_us=t * 1e6,
+                             **{"GB/s": nbytes / t / 1e9, "%copy": 100 * nbytes / t / copy_bw}))
         del key, value, kc, vc
         gc.collect()
     return rows
@@ -108,6 +115,8 @@ def run():
 
         t_torch = timing.kernel_time_torch(ours)
         t_index = timing.kernel_time_torch(lambda: _index_put(key, value, kc, vc, slots, kvd))
+        kd, vd = torch.empty_like(key), torch.empty_like(value)
+        t_copy = timing.kernel_time_torch(lambda: (kd.copy_(key), vd.copy_(value)))   # the rows, contiguous
         sets = [_inputs(n, h, d, dtype, kvd, seed=1 + i) for i in range(timing.cold_sets(nbytes))]
         t_graph = timing.graph_cold_time_torch(
             lambda i: at.reshape_and_cache_flash(*sets[i][:5], kvd, sets[i][5], sets[i][5]), nbytes)
@@ -139,11 +148,11 @@ def run():
                       for t, j in ((kc.reshape(-1), jkc), (vc.reshape(-1), jvc)))
         rows.append(dict(name=name, n=n, h=h, d=d, dtype=dtype, kv_cache_dtype=kvd, torch_us=t_torch * 1e6,
                          **{"GB/s": nbytes / t_torch / 1e9, "%copy": 100 * nbytes / t_torch / copy_bw},
-                         graph_us=t_graph * 1e6, jax_us=t_jax * 1e6, torch_pipe_us=t_pipe * 1e6,
+                         copy_us=t_copy * 1e6, vs_copy=t_copy / t_torch, graph_us=t_graph * 1e6, jax_us=t_jax * 1e6, torch_pipe_us=t_pipe * 1e6,
                          **{"jax/torch": t_jax / t_pipe}, index_put_us=t_index * 1e6,
                          vs_index_put=t_index / t_torch, jnp_us=t_jnp * 1e6, vs_jnp=t_jnp / t_jax,
                          baseline="torch index_copy_", baseline_us=t_index * 1e6, bitwise=bitwise))
-        del key, value, kc, vc, state, jstate, jk, jv, js, jkc, jvc
+        del key, value, kc, vc, kd, vd, state, jstate, jk, jv, js, jkc, jvc
         gc.collect()
         torch.cuda.empty_cache()
     rows += sweep(copy_bw)

@@ -83,6 +83,11 @@ VLLM_SIGNATURES = {
            Param("fp8_out_scale", default=None), Param("sinks", default=None),
            Param("is_block_table_ptr", default=False),
            Param("interleaved_v_pack_factor", default=0), Param("causal", default=True))),
+    "reshape_and_cache_flash": VllmSignature(
+        "vllm/v1/attention/ops/triton_reshape_and_cache_flash.py, triton_reshape_and_cache_flash "
+        "(vLLM 0.33; the CUDA op reshape_and_cache_flash takes the same arguments)",
+        _p("key", "value", "key_cache", "value_cache", "slot_mapping", "kv_cache_dtype", "k_scale",
+           "v_scale")),
     "lightning_attention": VllmSignature(
         "vllm/model_executor/layers/lightning_attn.py (commit 030ea52e)",
         _p("q", "k", "v", "ed")

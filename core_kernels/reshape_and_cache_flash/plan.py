@@ -20,10 +20,15 @@ RESULTS = ("key_cache", "value_cache")
 @config_class
 class ReshapeAndCacheConfig:
     """Tiling of _reshape_and_cache_flash_kernel: ``block_t`` tokens times
-    ``block_h`` kv heads per program (powers of two), ``num_warps``."""
+    ``block_h`` kv heads per program (powers of two), ``num_warps``;
+    ``early_loads``: load the key / value rows without waiting for the slots;
+    ``soft_round``: fp8 rounding in software (None: under the interpreter only,
+    which needs it; see the kernel's _quantize)."""
     block_t: int
     block_h: int
     num_warps: int = 4
+    early_loads: bool = True
+    soft_round: bool | None = None
 
 
 # NOTE: elements (tokens x heads x padded head size) per program and warps. A starting
@@ -57,6 +62,9 @@ def default_config(num_tokens: int, num_heads: int, head_size: int) -> ReshapeAn
 
 
 def _check_config(config: ReshapeAndCacheConfig) -> None:
+    for name in ("early_loads", "soft_round"):
+        if not isinstance(getattr(config, name), (bool, type(None))):
+            raise TypeError(f"config: {name} must be a bool, got {getattr(config, name)!r}")
     for name in ("block_t", "block_h"):
         v = getattr(config, name)
         if not (isinstance(v, int) and v >= 1 and v & (v - 1) == 0):
@@ -97,7 +105,6 @@ def plan_reshape_and_cache_flash(target: Target, key: ArrayInfo, value: ArrayInf
     k_scale, v_scale 1-element float32 device data, required for fp8 (the cache
     holds fp8(clamp(x / scale))), checked but unused with "auto".
     """
-    del target  # one plan for every device: a memory-bound scatter
     check_config(config, (ReshapeAndCacheConfig,))
     check_kv_cache_dtype(kv_cache_dtype)
     fmt = KV_CACHE_DTYPES[kv_cache_dtype]
@@ -143,6 +150,9 @@ def plan_reshape_and_cache_flash(target: Target, key: ArrayInfo, value: ArrayInf
     if config is None:
         config = default_config(n, h, d)
     _check_config(config)
+    if target.interpret and config.soft_round is False:
+        raise ValueError("config: soft_round=False needs the GPU's fp8 conversion; Triton's interpreter "
+                         "converts wrongly without the software rounding")
     src = _strides(key, (0, 1)) + _strides(value, (0, 1))
     dst = _strides(key_cache, (0, 1, 2)) + _strides(value_cache, (0, 1, 2))
     fp8 = fmt is not None
@@ -161,8 +171,9 @@ def plan_reshape_and_cache_flash(target: Target, key: ArrayInfo, value: ArrayInf
         kernel=_reshape_and_cache_flash_kernel, grid=(cdiv(n, config.block_t), cdiv(h, config.block_h)),
         params=params, writes=("key_cache_ptr", "value_cache_ptr"),
         constexprs=dict(BLOCK_SIZE=block_size, NUM_HEADS=h, HEAD_SIZE=d, BLOCK_T=config.block_t,
-                        BLOCK_H=config.block_h, BLOCK_D=next_pow2(d), FP8=fp8,
-                        FP8_E5M2=fmt == "float8_e5m2", STORE_BITS=fp8 and key_cache.dtype == "uint8",
+                        BLOCK_H=config.block_h, BLOCK_D=next_pow2(d), EARLY_LOADS=bool(config.early_loads),
+                        FP8=fp8, FP8_E5M2=fmt == "float8_e5m2", STORE_BITS=fp8 and key_cache.dtype == "uint8",
+                        SOFT_ROUND=bool(target.interpret if config.soft_round is None else config.soft_round),
                         FP8_MAX=FP8_MAX.get(fmt, 0.0), FP8_MANT_BITS=mant_bits, FP8_MIN_NORMAL=min_normal,
                         FP8_SUBNORMAL_MAGIC=magic),
         num_warps=config.num_warps, num_stages=1)

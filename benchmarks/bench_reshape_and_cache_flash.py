@@ -21,8 +21,8 @@ import gc
 
 from benchmarks import timing
 
-COLUMNS = ["name", "torch_us", "GB/s", "%copy", "copy_us", "vs_copy", "graph_us", "jax_us", "torch_pipe_us", "jax/torch",
-           "index_put_us", "vs_index_put", "jnp_us", "vs_jnp", "bitwise"]
+COLUMNS = ["name", "torch_us", "GB/s", "%copy", "copy_us", "vs_copy", "graph_us", "jax_us", "torch_pipe_us",
+           "jax/torch", "index_put_us", "vs_index_put", "jnp_us", "vs_jnp", "bitwise"]
 BENCH_CASES = (  # (name, tokens, kv heads, head size, key dtype, kv_cache_dtype)
     ("N8192-H8-D128-bf16", 8192, 8, 128, "bfloat16", "auto"),
     ("N8192-H8-D128-bf16-fp8", 8192, 8, 128, "bfloat16", "fp8"),
@@ -148,7 +148,8 @@ def run():
                       for t, j in ((kc.reshape(-1), jkc), (vc.reshape(-1), jvc)))
         rows.append(dict(name=name, n=n, h=h, d=d, dtype=dtype, kv_cache_dtype=kvd, torch_us=t_torch * 1e6,
                          **{"GB/s": nbytes / t_torch / 1e9, "%copy": 100 * nbytes / t_torch / copy_bw},
-                         copy_us=t_copy * 1e6, vs_copy=t_copy / t_torch, graph_us=t_graph * 1e6, jax_us=t_jax * 1e6, torch_pipe_us=t_pipe * 1e6,
+                         copy_us=t_copy * 1e6, vs_copy=t_copy / t_torch, graph_us=t_graph * 1e6,
+                         jax_us=t_jax * 1e6, torch_pipe_us=t_pipe * 1e6,
                          **{"jax/torch": t_jax / t_pipe}, index_put_us=t_index * 1e6,
                          vs_index_put=t_index / t_torch, jnp_us=t_jnp * 1e6, vs_jnp=t_jnp / t_jax,
                          baseline="torch index_copy_", baseline_us=t_index * 1e6, bitwise=bitwise))

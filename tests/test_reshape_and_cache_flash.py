@@ -180,6 +180,15 @@ class ReshapeAndCacheFlashTests:
 
     def test_config_override(self):
         self.check(make_case(21, 3, 24, 4, 8), config=ReshapeAndCacheConfig(block_t=2, block_h=2, num_warps=2))
+        case = make_case(9, 2, 16, 3, 4, "bfloat16", "float8_e4m3fn")
+        for early, soft in ((False, None), (True, True)) + (((True, False),) if GPU else ()):
+            self.check(case, "fp8", 0.5, 0.25, config=ReshapeAndCacheConfig(2, 2, 4, early, soft))
+
+    @pytest.mark.skipif(GPU, reason="the interpreter's refusal")
+    def test_interpreter_needs_soft_rounding(self):
+        with pytest.raises(ValueError, match="^config: soft_round=False"):
+            self.check(make_case(4, 2, 8, 2, 4, "float32", "float8_e4m3fn"), "fp8",
+                       config=ReshapeAndCacheConfig(1, 2, 4, soft_round=False))
 
     # ---------------------------------------------------------------- errors
     @pytest.mark.parametrize("what,exc,arg", [

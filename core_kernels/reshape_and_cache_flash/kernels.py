@@ -28,9 +28,14 @@ def _quantize(b_x, scale_ptr, FP8_E5M2: tl.constexpr, STORE_BITS: tl.constexpr, 
     384 in e4m3, seen on CPU). Without it (the GPU) the conversion alone does all
     three: sm_90's cvt.rn.satfinite rounds to nearest even, saturates and gives
     0x7F for NaN, bit for bit the software result (the GPU tests compare both
-    with the reference). NOTE: the software path cost 29.7 us against ?? us for
-    the conversion alone on the H200 (bf16 8192 x 8 x 128 into e4m3; 2026-11-28,
-    benchmarks/bench_reshape_and_cache_flash.py): the kernel is issue-bound there."""
+    with the reference). NOTE: H200, bf16 8192 x 8 x 128 into an e4m3 cache
+    (benchmarks/bench_reshape_and_cache_flash.py, 2026-11-27): with the software
+    rounding 29.7 us (do_bench; 26.5 us in a CUDA graph) at c30d599, with the
+    conversion alone 19.2 us (15.7 us) at da6a48b; in one sweep of the later run,
+    2 tokens x 4 warps took 28.5 us with the software rounding and 20.4 us without
+    (that sweep's fp8 rows were noisy: 21-40 us across tilings). With the software
+    rounding the kernel was issue-bound: slower than the bf16 cache's 22.3 us, which
+    moves a third more bytes."""
     scale = tl.load(scale_ptr).to(tl.float32)
     b_y = tl.math.div_rn(b_x.to(tl.float32), scale)
     if SOFT_ROUND:
@@ -76,7 +81,10 @@ def _reshape_and_cache_flash_kernel(
     an input). The strides arrive divided by their alignment group's constexpr
     (SRC_ALIGN: key and value; DST_ALIGN: the caches; see _triton_utils.jit).
     EARLY_LOADS: the key / value rows are loaded whatever the slot (a padding
-    token's row is read for nothing), so those loads need not wait for the slot's."""
+    token's row is read for nothing), so those loads need not wait for the slot's.
+    NOTE: H200, 2026-11-27 at da6a48b, 8192 x 8 x 128 bf16: 22.1 us with early loads
+    against 25.1 us waiting for the slots (one sweep; the main rows of two runs,
+    22.3 us before and 22.6 us after, are within noise of each other)."""
     o_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)     # [BLOCK_T] tokens
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)                   # [BLOCK_H] kv heads
     o_d = tl.arange(0, BLOCK_D)                                                # [BLOCK_D] channels

@@ -18,5 +18,5 @@ RESHAPE_AND_CACHE_FLASH = OpAxes(
     independent=("kv_heads",),
     # jax.vmap: the op's own rule folds the examples into the cache blocks (slots offset
     # per example: adapters/jax/_ops_reshape_and_cache_flash.py), not into a label
-    unbatchable=("slot_mapping", "k_scale", "v_scale"),
+    unbatchable=("k_scale", "v_scale"),   # one scale per launch (a batched slot_mapping: the rule offsets it)
 )

@@ -348,6 +348,16 @@ class UnifiedTests:
         with pytest.raises(ValueError, match=f"^{name}: "):
             self.attention(case, validate_indices=True, **opts)
 
+    def test_validation_env_switch(self, monkeypatch):
+        """TANDEM_VALIDATE_INDICES=1 validates a call that does not ask; False opts out."""
+        case, _ = _bad_table_entry(dict(make_case([(1, 30), (1, 9)], 4, 2, 32, 16, "float32")))
+        monkeypatch.setenv("TANDEM_VALIDATE_INDICES", "1")
+        with pytest.raises(ValueError, match="^block_table: "):
+            self.attention(case)
+        monkeypatch.setenv("TANDEM_VALIDATE_INDICES", "0")
+        with pytest.raises(TypeError, match="^validate_indices: "):
+            self.attention(case, validate_indices="yes")
+
     def test_validation_mode_accepts_unread_garbage(self):
         """Wild ids in table slots no query needs (past a sequence, before its window,
         a sequence without queries) pass the check, and the result is unchanged."""
@@ -587,6 +597,15 @@ class TestJax(JaxAdapter, UnifiedTests):
             check(self.numpy(out), reference(c, out=keep, softmax_scale=0.2), c, f"lens {lens}")
         assert f._cache_size() == 1, "new tables / lengths recompiled"
 
+    def test_validation_of_traced_indices_raises(self):
+        import jax
+        import adapters.jax as aj
+        case = make_case([(1, 30), (1, 9)], 4, 2, 32, 16, "float32")
+        f = jax.jit(functools.partial(aj.unified_attention, max_seqlen_q=1, max_seqlen_k=30, softmax_scale=0.2,
+                                      validate_indices=True))
+        with pytest.raises(ValueError, match="^validate_indices: "):
+            f(*(to_jax(case[n]) for n in ARRAYS))
+
     def test_vmap_folds_into_one_call(self):
         """jax.vmap over examples with their own caches and tables (tokens folded,
         block ids offset) and over q alone (a shared cache): each example's bits
@@ -617,7 +636,8 @@ class TestJax(JaxAdapter, UnifiedTests):
             one = np.asarray(f(to_jax(qs[i]), *rest, sinks=to_jax(sinks[i]), **kw))
             assert_bitwise_equal(got[i], one, f"example {i} (heads folded)")
         with pytest.raises(NotImplementedError, match="output_scale"):
-            jax.vmap(lambda q, s: f(q, *rest, output_scale=s, **kw))(to_jax(qs), to_jax(np.ones((2, 1), np.float32)))
+            jax.vmap(lambda q, s: f(q, *rest, output_scale=s, **kw))(to_jax(qs),
+                                                                     to_jax(np.ones((2, 1), np.float32)))
 
 
 # ------------------------------------------------------------------ both adapters
@@ -737,7 +757,8 @@ def _sampled_reference(case, opts, rows=8):
     cu = case["cu_seqlens_q"].astype(np.int64)
     keep = [np.arange(max(int(cu[b + 1]) - rows, int(cu[b])), int(cu[b + 1])) for b in range(len(cu) - 1)]
     idx = np.concatenate(keep)
-    sub = {**case, "q": case["q"][idx], "cu_seqlens_q": np.concatenate([[0], np.cumsum([len(x) for x in keep])])}
+    cu_sub = np.concatenate([[0], np.cumsum([len(x) for x in keep])])
+    sub = {**case, "q": case["q"][idx], "cu_seqlens_q": cu_sub}
     return idx, reference(sub, **opts)
 
 

@@ -66,8 +66,8 @@ def make_case(seqs, hq=4, hkv=2, d=32, bs=16, dtype="float32", *, kv=None, q_fp8
             table[i, j] = stale[j % len(stale)] if j % 2 else GARBAGE_ID
     cdt = dtype if kv is None else E4M3
     scale = 2.0 if kv else 1.0
-    k = cast(g.standard_normal((num_blocks, bs, hkv, d)) * scale, cdt)
-    v = cast(g.standard_normal((num_blocks, bs, hkv, d)) * scale, cdt)
+    k = cast(g.standard_normal((num_blocks, bs, hkv, d), np.float32) * scale, cdt)
+    v = cast(g.standard_normal((num_blocks, bs, hkv, d), np.float32) * scale, cdt)
     for blk in stale:
         _nan_bits(k[blk])
         _nan_bits(v[blk])
@@ -801,6 +801,22 @@ def test_gpu_cuda_graph_decode():
     check(torch_to_numpy(out), reference(c2), c2, "after replay")
 
 
+# (D, block_size, Hq, Hkv): the issue's head sizes and block sizes (544: hybrid models), GQA 5:1
+GPU_HEADS = [(64, 16, 8, 2), (80, 32, 10, 2), (96, 544, 8, 8), (128, 64, 32, 8), (256, 16, 10, 2)]
+GPU_HEAD_SEQS = [(300, 700), (1, 2000), (64, 0), (0, 50), (5, 1100), (1, 3)]
+
+
+@requires_gpu
+@pytest.mark.parametrize("d,bs,hq,hkv", GPU_HEADS, ids=str)
+def test_gpu_head_and_block_sizes(d, bs, hq, hkv):
+    """Every head size and block size of the issue on a mixed batch (prefill over
+    context, decodes, an empty sequence), bf16, against the reference; torch == JAX."""
+    case = make_case(GPU_HEAD_SEQS, hq, hkv, d, bs, "bfloat16")
+    t = TestTorch().attention(case)
+    check(t, reference(case), case, f"D {d} block {bs}")
+    assert_bitwise_equal(t, TestJax().attention(case, jit=True), f"torch vs jax D {d} block {bs}")
+
+
 @pytest.mark.parametrize("name", list(GPU_CASES))
 def test_gpu_test_plans_build(name):
     """The GPU-only tests' plans build for sm_90 (launch arguments checked against the
@@ -819,4 +835,16 @@ def test_gpu_test_plans_build(name):
     plan = plan_unified_attention(SM90, **infos, max_seqlen_q=max(qlens),
                                   max_seqlen_k=max(q + c for q, c in seqs), softmax_scale=0.088,
                                   window_left=255 if "window" in name else -1, kv_quant_mode=1 if kv else 0)
+    assert plan.launches
+
+
+@pytest.mark.parametrize("d,bs,hq,hkv", GPU_HEADS, ids=str)
+def test_gpu_head_size_plans_build(d, bs, hq, hkv):
+    A = ArrayInfo.contiguous
+    t, b = sum(q for q, _ in GPU_HEAD_SEQS), len(GPU_HEAD_SEQS)
+    blocks = -(-max(q + c for q, c in GPU_HEAD_SEQS) // bs)
+    plan = plan_unified_attention(SM90, A((t, hq, d), "bfloat16"), A((4 * blocks, bs, hkv, d), "bfloat16"),
+                                  A((4 * blocks, bs, hkv, d), "bfloat16"), A((b + 1,), "int32"), A((b,), "int32"),
+                                  A((b, blocks), "int32"), max_seqlen_q=300, max_seqlen_k=2001,
+                                  softmax_scale=d ** -0.5)
     assert plan.launches

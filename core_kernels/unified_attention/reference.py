@@ -11,13 +11,18 @@ def _is_fp8(x) -> bool:
     return np.asarray(x).dtype.name in FP8_NAMES
 
 
-def _as_float64(x) -> np.ndarray:
-    """Exact float64 values; uint8 is read as the bits of e4m3."""
+def _values(x) -> np.ndarray:
+    """The array with uint8 read as the bits of e4m3 (no copy)."""
     x = np.asarray(x)
     if x.dtype == np.uint8:
         import ml_dtypes
         x = x.view(ml_dtypes.float8_e4m3fn)
-    return x.astype(np.float64)
+    return x
+
+
+def _as_float64(x) -> np.ndarray:
+    """Exact float64 values; uint8 is read as the bits of e4m3."""
+    return _values(x).astype(np.float64)
 
 
 def _descale(d, bsz: int, hkv: int) -> np.ndarray:
@@ -80,7 +85,7 @@ def unified_attention_reference(q, k, v, cu_seqlens_q, seqused_k, block_table, *
     group = hq // hkv
     if _is_fp8(q):
         qv = qv * float(np.asarray(q_descale, np.float64).reshape(-1)[0])
-    kc, vc = _as_float64(k), _as_float64(v)
+    kc, vc = _values(k), _values(v)   # converted per gathered token (a cache may be large)
     fp8_cache = _is_fp8(k)
     kd = _descale(k_descale, bsz, hkv) if fp8_cache else np.ones((bsz, hkv))
     vd = _descale(v_descale, bsz, hkv) if fp8_cache else np.ones((bsz, hkv))
@@ -101,8 +106,8 @@ def unified_attention_reference(q, k, v, cu_seqlens_q, seqused_k, block_table, *
         keys = np.zeros((seq_len, hkv, d))
         vals = np.zeros((seq_len, hkv, d))
         blk, off = table[b, seen // block_size], seen % block_size
-        keys[seen] = kc[blk, off] * kd[b][None, :, None]
-        vals[seen] = vc[blk, off] * vd[b][None, :, None]
+        keys[seen] = kc[blk, off].astype(np.float64) * kd[b][None, :, None]
+        vals[seen] = vc[blk, off].astype(np.float64) * vd[b][None, :, None]
         qs = qv[s0:s1].reshape(qlen, hkv, group, d)
         s = scale * np.einsum("qhgd,lhd->hgql", qs, keys).reshape(hq, qlen, seq_len)
         if cap > 0:

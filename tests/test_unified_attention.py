@@ -801,6 +801,26 @@ def test_gpu_cuda_graph_decode():
     check(torch_to_numpy(out), reference(c2), c2, "after replay")
 
 
+@requires_gpu
+def test_gpu_jax_export_roundtrip():
+    """jax.export (jax-triton's custom call allowed): serialised, restored and run, the
+    same bits as the direct call, with new lengths (device data) after export."""
+    import jax
+    import adapters.jax as aj
+    case = make_case([(40, 300), (1, 500), (3, 20)], 8, 2, 128, 16, "bfloat16", num_blocks=80, width=45)
+    f = jax.jit(functools.partial(aj.unified_attention, max_seqlen_q=64, max_seqlen_k=640, softmax_scale=0.09,
+                                  window_size=(127, 0)))
+    args = tuple(jax.device_put(case[n]) for n in ARRAYS)
+    exported = jax.export.export(
+        f, disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("triton_kernel_call")])(*args)
+    restored = jax.export.deserialize(exported.serialize())
+    assert_bitwise_equal(np.asarray(restored.call(*args)), np.asarray(f(*args)), "exported vs direct")
+    c2 = make_case([(10, 600), (1, 200), (33, 0)], 8, 2, 128, 16, "bfloat16", num_blocks=80, width=45)
+    args2 = tuple(jax.device_put(c2[n]) for n in ARRAYS)
+    check(np.asarray(restored.call(*args2)), reference(c2, softmax_scale=0.09, window_size=(127, 0)), c2,
+          "exported, new lengths")
+
+
 # (D, block_size, Hq, Hkv): the issue's head sizes and block sizes (544: hybrid models), GQA 5:1
 GPU_HEADS = [(64, 16, 8, 2), (80, 32, 10, 2), (96, 544, 8, 8), (128, 64, 32, 8), (256, 16, 10, 2)]
 GPU_HEAD_SEQS = [(300, 700), (1, 2000), (64, 0), (0, 50), (5, 1100), (1, 3)]

@@ -473,6 +473,11 @@ class TestTorch(TorchAdapter, UnifiedTests):
         ints = {**case, "causal": case["causal"].astype(np.int32)}
         assert_bitwise_equal(self.attention(ints, **opts), base, "int32 flags")
 
+    def test_causal_flags_must_be_a_tensor(self):
+        case = make_case([(4, 10), (1, 3)], 4, 2, 32, 16, "float32")
+        with pytest.raises(TypeError, match="^causal: "):
+            _torch_call({**case, "causal": [True, False]}, to_torch(poison_like(case["q"].shape, "float32")))
+
     def test_host_descales_and_output_scale(self):
         """Descales and output_scale as host floats give the tensors' bits."""
         case = make_case([(9, 20), (1, 7)], 4, 2, 32, 16, "float32", kv="fp8")
@@ -596,6 +601,13 @@ class TestJax(JaxAdapter, UnifiedTests):
             out = f(*(to_jax(c[n]) for n in ARRAYS), out=to_jax(keep))
             check(self.numpy(out), reference(c, out=keep, softmax_scale=0.2), c, f"lens {lens}")
         assert f._cache_size() == 1, "new tables / lengths recompiled"
+
+    def test_causal_flags_as_a_host_list(self):
+        import adapters.jax as aj
+        case = make_case([(1, 30), (3, 9)], 4, 2, 32, 16, "float32", causal=[True, False])
+        got = aj.unified_attention(*(to_jax(case[n]) for n in ARRAYS), max_seqlen_q=3, max_seqlen_k=30,
+                                   softmax_scale=0.2, causal=[True, False])
+        assert_bitwise_equal(np.asarray(got), self.attention(case, softmax_scale=0.2), "list vs array flags")
 
     def test_validation_of_traced_indices_raises(self):
         import jax

@@ -21,7 +21,8 @@ _ARRAYS = ("q", "k", "v", "cu_seqlens_q", "seqused_k", "block_table", "out", "ca
 
 
 def _is_array(x) -> bool:
-    return is_device_data(x) or (isinstance(x, np.ndarray) and x.ndim > 0)
+    """Per-sequence flags: a JAX array, or a host sequence / array of them."""
+    return is_device_data(x) or isinstance(x, (list, tuple)) or (isinstance(x, np.ndarray) and x.ndim > 0)
 
 
 def _descale(name: str, value):

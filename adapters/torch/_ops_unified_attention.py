@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from core_kernels._plan import decode_config, encode_config
@@ -132,6 +133,9 @@ def unified_attention(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_s
                              use_td)
     mode = kv_mode(kv_quant_mode)
     flags = causal if isinstance(causal, torch.Tensor) else None
+    if flags is None and isinstance(causal, (list, tuple, np.ndarray)) and np.ndim(causal) > 0:
+        raise TypeError("causal: expected a truth value or a [B] bool / int tensor of per-sequence "
+                        f"flags, got {type(causal).__name__}")
     wl, wr = window_pair(window_size)
     if _MEMO.lookup((q, k, v, cu_seqlens_q, seqused_k, block_table, out, flags, q_descale, k_descale,
                      v_descale, alibi_slopes, sinks, output_scale),

@@ -43,6 +43,7 @@ _MEMO = CallMemo(("q", "k", "v", "cu_seqlens_q", "seqused_k", "block_table", "ou
                   "q_descale", "k_descale", "v_descale", "alibi_slopes", "sinks", "output_scale"),
                  written=("out",))
 
+
 def _refuse_out_of_scope(qq_bias, mm_prefix_range, rswa_prefix_lens, rswa_window, chunk_lookback,
                          use_td) -> None:
     """vLLM's modes this op does not implement: NotImplementedError naming the

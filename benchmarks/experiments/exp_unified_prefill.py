@@ -18,9 +18,12 @@ where ``adapters.torch.unified_attention`` runs, the whole op too; and vLLM
 0.33's ``unified_attention`` from ``.peer/vllm_src`` (git-ignored, carried)
 when present (through benchmarks/bench_unified_attention.py's shim). Correctness of every variant against torch SDPA over the
 gathered dense K/V (bf16, lower-right causal), max |diff| recorded.
-JSON to ``$OUT/exp_unified_prefill.json``.
+With ``extra``: the B4 / B1 batches at head sizes 64 and 256 and with an fp8
+cache (``EXTRA``), the prefill path alone. JSON to
+``$OUT/exp_unified_prefill.json`` (``exp_unified_prefill_extra.json``).
 
     python3 -m benchmarks.experiments.exp_unified_prefill [variant-name ...]
+    python3 -m benchmarks.experiments.exp_unified_prefill extra   # EXTRA's shapes
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ FLAT_TOO = ("paged_128x64_s3_pf1", "paged_128x128_s3_pf1", "gather_128x64_s3", "
             "gather_128x64_s4")
 
 
-def useful_flops(seqs, min_q=9):
+def useful_flops(seqs, min_q=9, d=D):
     """4 Hq D per visible (causal) query-key pair of the sequences the prefill
     path computes (qlen >= min_q)."""
     pairs = 0
@@ -53,10 +56,11 @@ def useful_flops(seqs, min_q=9):
         if ql >= min_q:
             ctx = L - ql
             pairs += ql * ctx + ql * (ql + 1) // 2
-    return 4 * HQ * D * pairs
+    return 4 * HQ * d * pairs
 
 
-def make_inputs(seqs, dtype, seed=0):
+def make_inputs(seqs, dtype, seed=0, d=D, fp8=False):
+    """Inputs of ``seqs`` (the cache in e4m3 with descales 0.5 / 0.25 with ``fp8``)."""
     import torch
     g = torch.Generator(device="cuda").manual_seed(seed)
     nbl = [-(-L // BS) for _, L in seqs]
@@ -68,15 +72,19 @@ def make_inputs(seqs, dtype, seed=0):
     for b, n in enumerate(nbl):
         bt[b, :n] = perm[pos:pos + n]
         pos += n
-    k = torch.randn((num_blocks, BS, HKV, D), device="cuda", generator=g).to(dtype)
-    v = torch.randn((num_blocks, BS, HKV, D), device="cuda", generator=g).to(dtype)
+    cache = torch.float8_e4m3fn if fp8 else dtype
+    k = (torch.randn((num_blocks, BS, HKV, d), device="cuda", generator=g) * (2 if fp8 else 1)).to(cache)
+    v = (torch.randn((num_blocks, BS, HKV, d), device="cuda", generator=g) * (4 if fp8 else 1)).to(cache)
     t = sum(q for q, _ in seqs)
-    q = torch.randn((t, HQ, D), device="cuda", generator=g).to(dtype)
+    q = torch.randn((t, HQ, d), device="cuda", generator=g).to(dtype)
     cu = torch.tensor([0] + list(__import__("itertools").accumulate(q for q, _ in seqs)),
                       dtype=torch.int32, device="cuda")
     seqused = torch.tensor([L for _, L in seqs], dtype=torch.int32, device="cuda")
-    return dict(q=q, k=k, v=v, cu_seqlens_q=cu, seqused_k=seqused, block_table=bt,
-                max_seqlen_q=max(q for q, _ in seqs), max_seqlen_k=max(L for _, L in seqs))
+    inp = dict(q=q, k=k, v=v, cu_seqlens_q=cu, seqused_k=seqused, block_table=bt,
+               max_seqlen_q=max(q for q, _ in seqs), max_seqlen_k=max(L for _, L in seqs))
+    if fp8:
+        inp.update(k_descale=torch.tensor([0.5], device="cuda"), v_descale=torch.tensor([0.25], device="cuda"))
+    return inp
 
 
 def sdpa_reference(inp, b):
@@ -89,12 +97,26 @@ def sdpa_reference(inp, b):
     j = torch.arange(lk, device="cuda")
     blk = inp["block_table"][b, j // BS].long()
     kb, vb = inp["k"][blk, j % BS], inp["v"][blk, j % BS]  # [L, HKV, D]
+    if "k_descale" in inp:
+        kb = (kb.float() * inp["k_descale"]).to(q.dtype)
+        vb = (vb.float() * inp["v_descale"]).to(q.dtype)
     pos = (lk - ql) + torch.arange(ql, device="cuda")
     mask = j[None, :] <= pos[:, None]
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kb.transpose(0, 1)[None],
                                        vb.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True,
-                                       scale=D ** -0.5)
+                                       scale=q.shape[-1] ** -0.5)
     return o[0].transpose(0, 1)
+
+
+# the same B4 / B1 batches at other head sizes and with an fp8 cache (argument
+# "extra"): shape -> (seqs, head size, fp8 cache, variants)
+EXTRA = {
+    "b4_q1024_ctx4096_fp8kv": ("b4_q1024_ctx4096", 128, True, ("auto", "paged_128x128_s3_pf1")),
+    "b4_q1024_ctx4096_d64": ("b4_q1024_ctx4096", 64, False,
+                             ("auto", "gather_128x64_w4", "gather_128x64_s3", "paged_128x128_w4")),
+    "b4_q1024_ctx4096_d256": ("b4_q1024_ctx4096", 256, False,
+                              ("auto", "gather_64x64_w4", "paged_128x64_s2")),
+}
 
 
 def run(names):
@@ -131,9 +153,20 @@ def run(names):
         "gather_128x64_s4": C(128, 64, 8, 4, True, 0, gather=True),
         "gather_128x64_s2": C(128, 64, 8, 2, True, 0, gather=True),
         "paged_128x128_s3_pf2": C(128, 128, 8, 3, True, 2, gather=False),
+        "gather_128x64_w4": C(128, 64, 4, 3, True, 0, gather=True),
+        "paged_128x128_w4": C(128, 128, 4, 3, True, 1, gather=False),
+        "gather_64x64_w4": C(64, 64, 4, 2, True, 0, gather=True),
+        "paged_128x64_s2": C(128, 64, 8, 2, True, 1, gather=False),
     }
+    extra = "extra" in names
+    names = [n for n in names if n != "extra"]
+    all_variants = dict(variants)
     if names:
         variants = {n: c for n, c in variants.items() if n in names or n == "auto"}
+    shapes = {name: (seqs, D, False, variants) for name, seqs in SHAPES.items()}
+    if extra:
+        shapes = {name: (SHAPES[base], d, fp8, {v: all_variants[v] for v in vs})
+                  for name, (base, d, fp8, vs) in EXTRA.items()}
     rows = []
     t_start = time.time()
     peer = None
@@ -152,19 +185,19 @@ def run(names):
         from adapters.torch import unified_attention as full
     except ImportError:
         pass
-    for shape, seqs in SHAPES.items():
-        inp = make_inputs(seqs, torch.bfloat16)
-        flops = useful_flops(seqs)
+    for shape, (seqs, d, fp8, variants) in shapes.items():
+        inp = make_inputs(seqs, torch.bfloat16, d=d, fp8=fp8)
+        flops = useful_flops(seqs, d=d)
         prefill_b = [b for b, (ql, _) in enumerate(seqs) if ql > 8][:2]
         refs = {b: sdpa_reference(inp, b) for b in prefill_b}
         cu = inp["cu_seqlens_q"].tolist()
         out = torch.empty_like(inp["q"])
         tensors = dict(q=inp["q"], k=inp["k"], v=inp["v"], cu_seqlens_q=inp["cu_seqlens_q"],
                        seqused_k=inp["seqused_k"], block_table=inp["block_table"], out=out,
-                       causal_flags=None, q_descale=None, k_descale=None, v_descale=None,
-                       alibi_slopes=None, sinks=None, output_scale=None)
+                       causal_flags=None, q_descale=None, k_descale=inp.get("k_descale"),
+                       v_descale=inp.get("v_descale"), alibi_slopes=None, sinks=None, output_scale=None)
         opts = dict(max_seqlen_q=inp["max_seqlen_q"], max_seqlen_k=inp["max_seqlen_k"],
-                    softmax_scale=D ** -0.5)
+                    softmax_scale=d ** -0.5, kv_quant_mode=1 if fp8 else 0)
 
         def err_of(o):
             return max(float((o[cu[b]:cu[b + 1]].float() - refs[b].float()).abs().max()) for b in prefill_b)
@@ -198,7 +231,7 @@ def run(names):
                 r = dict(shape=shape, variant=name, error=traceback.format_exc()[-1500:])
             print(r, flush=True)
             rows.append(r)
-        if shape == "mixed":
+        if shape == "mixed" and not extra:
             # the per-sequence grid on the mixed batch (mostly idle programs)
             try:
                 cfg = C(128, 64, 8, 3, True, 1, gather=False, flat_grid=False)
@@ -212,7 +245,7 @@ def run(names):
             print(r, flush=True)
             rows.append(r)
         for label, f in (("ours_full_op", full), ("vllm_unified_attention", peer)):
-            if f is None:
+            if f is None or extra:
                 continue
             try:
                 o2 = torch.empty_like(inp["q"])
@@ -241,5 +274,6 @@ if __name__ == "__main__":
     rows = [dict(device=torch.cuda.get_device_name(), torch=torch.__version__)]
     rows += run(sys.argv[1:])
     out_dir = os.environ.get("OUT", ".")
-    with open(os.path.join(out_dir, "exp_unified_prefill.json"), "w") as f:
+    name = "exp_unified_prefill_extra.json" if "extra" in sys.argv[1:] else "exp_unified_prefill.json"
+    with open(os.path.join(out_dir, name), "w") as f:
         json.dump(rows, f, indent=1)

@@ -52,24 +52,30 @@ PREFILL_CONFIGS = (UnifiedPrefillConfig,)
 C = UnifiedPrefillConfig
 # Tiles by (compute itemsize, BLOCK_D) for the paged loop (keys read through
 # the block table); GATHER_CONFIGS when the keys were gathered into scratch.
-# NOTE: measured 2026-11-28 on an H100 80GB HBM3 (the device tool's nvidia-h200
-# kind served one; vLLM's kernel ran within 2% of its H200 times there),
-# benchmarks/experiments/exp_unified_prefill.py, bf16, 32/8 heads x 128, block
-# 16, GPU time by do_bench, two runs: on the flash layout the paged loop is
-# 4-8% slower than the gathered one, not the 1.5x of the prefix layout (whose
-# K rows are 16 bytes). Paged, (128, 128, 8 warps, 3 stages, ids one tile
-# ahead) was the best of those tried: B4 x q1024 over 4096 724-732 us,
-# B1 x 8192 1233-1273 us, the mixed batch's 2048-token chunk 684-705 us
-# (447 TFLOP/s); (128, 64) with 3 or 4 stages 722-745 / 1304-1320 / 722-726 us;
-# ids not prefetched 938 / 1620 / 972 us; ids two tiles ahead 994 / 1714 /
-# 1037 us; 2 stages 841 / 1414 / 850 us; (64, 64, 4 warps) 822 / 1434 / 805 us.
-# Gathered, (128, 64, 8, 3) was the best: 694-704 us at B4 (686-690 with the
-# flat grid), 1161-1172 us at B1 x 8192 (470 TFLOP/s); 4 stages 693 / 1208 us,
-# 2 stages 867 / 1414 us, (128, 128) 756 / 1304 us. Other head sizes and fp32
-# keep context_attention_fwd's starting points (prefix_prefill/plan.py).
+# NOTE: measured 2026-11-28 with benchmarks/experiments/exp_unified_prefill.py
+# (results/2026-11-28-unified-prefill/), bf16, 32/8 heads, block 16, GPU time
+# by do_bench, on an H100 80GB HBM3 (two runs: the device tool's nvidia-h200
+# kind served one) and on an H200 (one run; vLLM 0.33's kernel in the same
+# runs: 4203 / 4249 us at B4, 7368 / 7517 us at B1). D 128: on the flash
+# layout the paged loop is 4-10% slower than the gathered one, not the 1.5x
+# of the prefix layout (whose K rows are 16 bytes). Paged, (128, 128, 8 warps,
+# 3 stages, ids one tile ahead) was the best tried: B4 x q1024 over 4096
+# 716-732 us, B1 x 8192 1233-1273 us, the mixed batch's 2048-token chunk
+# 684-705 us (447-450 TFLOP/s); (128, 64) with 3 or 4 stages 722-745 /
+# 1304-1320 / 722-726 us; ids not prefetched 938 / 1620 / 972 us; ids two
+# tiles ahead 994 / 1714 / 1037 us; 2 stages 841 / 1414 / 850 us; (64, 64,
+# 4 warps) 822 / 1434 / 805 us. Gathered, (128, 64, 8, 3) was the best:
+# 685-704 us at B4 (446 TFLOP/s), 1141-1172 us at B1 x 8192 (482 TFLOP/s on
+# the H200); 4 stages 693 / 1208 us, 2 stages 867 / 1414 us, (128, 128)
+# 756 / 1304 us. An fp8 cache (H200, B4): gathered (widened to bf16) 728 us,
+# paged 1193 us. D 64 (H200, B4, one run): paged (128, 128, 4 warps) 413 us,
+# (128, 64, 4) 430, gathered (128, 64, 4) 458, (128, 64, 8) 524. D 256 (same):
+# paged (128, 64, 8 warps, 2 stages) 1451 us, (64, 64, 4, 2) 1876, gathered
+# (64, 64, 4, 2) 1729. fp32 and D 16 / 32 keep context_attention_fwd's
+# starting points (prefix_prefill/plan.py).
 PAGED_CONFIGS = {
-    (2, 16): C(128, 64, 4, 3), (2, 32): C(128, 64, 4, 3), (2, 64): C(128, 64, 4, 3),
-    (2, 128): C(128, 128, 8, 3), (2, 256): C(64, 64, 4, 2),
+    (2, 16): C(128, 64, 4, 3), (2, 32): C(128, 64, 4, 3), (2, 64): C(128, 128, 4, 3),
+    (2, 128): C(128, 128, 8, 3), (2, 256): C(128, 64, 8, 2),
     (4, 16): C(64, 64, 4, 2), (4, 32): C(64, 64, 4, 2), (4, 64): C(64, 64, 4, 2),
     (4, 128): C(64, 32, 4, 2), (4, 256): C(32, 32, 4, 2),
 }
@@ -81,13 +87,13 @@ del C
 # _scratch_tokens): only where GATHER_CONFIGS has an entry, each key tile is
 # read by at least GATHER_MIN_REUSE row tiles and the scratch stays under
 # GATHER_MAX_BYTES. The mixed batch (127 decodes x 4096 and one chunk over
-# 8192) would need 4.3 GB: it runs the paged loop, 4-8% slower per FLOP.
+# 8192) would need 4.3 GB: it runs the paged loop, 4-10% slower per FLOP.
 
 # NOTE: the flat grid (the kernel's FLAT_GRID) against the (max tiles, heads,
-# B) grid, same H100 runs: the mixed batch's chunk 684-705 us flat vs 812-833
-# us (127 of every 128 programs of the per-sequence grid exit at once); equal
-# within 2% at B4 x q1024 (gathered 686-692 vs 693-704 us, paged 724 vs 724
-# us) and B1 x 8192 (1170 vs 1165 us). Taken unless it has over 25% more
+# B) grid, same runs: the mixed batch's chunk 684-705 us flat vs 812-833 us
+# (127 of every 128 programs of the per-sequence grid exit at once); equal
+# within 2% at B4 x q1024 (gathered 685-692 vs 688-704 us, paged 716-724 vs
+# 721-724 us) and B1 x 8192 (1141-1170 vs 1141-1165 us). Taken unless it has over 25% more
 # programs than the per-sequence grid (many short prefills: its binary search,
 # log2 B loads per program, then buys nothing).
 FLAT_MAX_EXTRA = 1.25

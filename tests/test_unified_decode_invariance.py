@@ -1,16 +1,18 @@
 """unified_attention's decode path: a sequence's output is bitwise the same
 whatever other sequences share the call (their number, order, lengths, the
-max_seqlen bounds) and run to run. Through the public torch op; on the CPU
-under Triton's interpreter with a small chunk size so that sequences split
-into several chunks (merged by the combine kernel), on a GPU at real sizes
-with the planner's own config."""
+max_seqlen bounds), whatever the work split (chunks per program) and run to
+run. Through the public torch op; on the CPU under Triton's interpreter with a
+small chunk size so that sequences split into several chunks (merged by the
+combine kernel), on a GPU at real sizes with the planner's own config."""
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
 
-from core_kernels.unified_attention.decode_plan import UnifiedDecodeConfig
+from core_kernels.unified_attention.decode_plan import DEFAULT_CONFIG, UnifiedDecodeConfig
 from harness import DEVICE, GPU, rng
 import adapters.torch as at
 
@@ -44,7 +46,7 @@ def _batch(g, seqs, k, v, num_blocks):
             torch.tensor(np.stack(tables), dtype=torch.int32, device=DEVICE))
 
 
-def _run(seqs, k, v, num_blocks, opts, descale_table=None):
+def _run(seqs, k, v, num_blocks, opts, descale_table=None, config=CONFIG):
     g = rng(0)
     q, cu, seqused, table = _batch(g, seqs, k, v, num_blocks)
     out = torch.full_like(q, float("nan"))
@@ -58,7 +60,7 @@ def _run(seqs, k, v, num_blocks, opts, descale_table=None):
                          causal=True, window_size=window, block_table=table, softcap=softcap,
                          q_descale=None,
                          k_descale=kw.pop("k_descale", None), v_descale=kw.pop("v_descale", None),
-                         config=CONFIG, **kw)
+                         config=config, **kw)
     rows = np.concatenate([[0], np.cumsum([s[0] for s in seqs])])
     return {s[2]: out[rows[i]:rows[i + 1]].cpu() for i, s in enumerate(seqs)}
 
@@ -83,14 +85,17 @@ def test_decode_output_independent_of_the_batch(name):
     qlens = (1, 3, 1, 2, 8, 1)
     full = [(q, L, seed) for seed, (q, L) in enumerate(zip(qlens, LENGTHS))]
 
-    def run(seqs):
-        return _run(seqs, k, v, num_blocks, dict(opts, **extra), table)
+    def run(seqs, config=CONFIG):
+        return _run(seqs, k, v, num_blocks, dict(opts, **extra), table, config)
 
     batch = run(full)
     again = run(full)
+    # another work split: 3 consecutive chunks per program
+    split = run(full, dataclasses.replace(CONFIG or DEFAULT_CONFIG, chunks_per_program=3))
     for seed, out in batch.items():
         assert not torch.isnan(out.float()).any(), f"sequence {seed}: NaN in the output"
         assert torch.equal(out, again[seed]), f"sequence {seed}: differs run to run"
+        assert torch.equal(out, split[seed]), f"sequence {seed}: differs with 3 chunks per program"
     # alone, and in another batch (other order, fewer and shorter neighbours:
     # other max_seqlen_q / max_seqlen_k, fewer chunk slots)
     for seed in (0, 1, 4):

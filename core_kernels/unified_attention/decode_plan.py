@@ -16,7 +16,7 @@ import math
 from .._plan import FP8_MAX, Buffer, Launch, Scalar, cdiv, config_class, next_pow2
 from .._triton_utils import FP8_ROUNDING
 from .decode_kernels import _unified_decode_combine_kernel, _unified_decode_kernel
-from .problem import DECODE_MAX_Q, FP8_E4M3
+from .problem import DECODE_MAX_Q
 
 
 @config_class
@@ -24,22 +24,49 @@ class UnifiedDecodeConfig:
     """_unified_decode_kernel: key tiles of ``block_n`` tokens (a power of two
     >= 16); a sequence's keys split into chunks of ``chunk_min`` keys (a
     multiple of block_n), doubled until at most ``max_chunks`` (a power of two)
-    remain; ``prefetch_ids`` loads a tile's block ids one tile ahead.
-    Changing any field may change results in the last bits (the chunking and
-    the tiles set the summation order): a config is fixed per layout, never
-    chosen from the batch."""
+    remain; ``fp8_mode`` for an fp8 cache with 16-bit queries: 0 dots in q's
+    dtype, 1 in fp16 (q converted to fp16: exact for |q| in fp16's normal range).
+    These fields set the summation order, so changing one may change results
+    in the last bits: a config is fixed per layout, never chosen from the
+    batch. ``chunks_per_program`` > 0 fixes the work split (how many
+    consecutive chunks one program takes; 0: chosen from the batch and the
+    GPU): results never depend on it."""
     block_n: int = 64
-    chunk_min: int = 1024
-    max_chunks: int = 64
+    chunk_min: int = 4096
+    max_chunks: int = 32
     num_warps: int = 4
     num_stages: int = 3
-    prefetch_ids: bool = True
+    fp8_mode: int = 1
+    chunks_per_program: int = 0
 
 
 DECODE_CONFIGS = (UnifiedDecodeConfig,)
 
-# NOTE: a starting point (2026-11-28), to be measured on the H200 at the
-# issue's decode shapes (benchmarks/experiments/exp_unified_decode.py).
+# NOTE: measured on the H200 (2026-11-28, benchmarks/experiments/exp_unified_decode.py,
+# sweeps "first" at a99a7ae and "slim" at the commit of this NOTE; Llama-8B heads
+# 32/8 x 128, block 16, bf16 q, GPU time with the L2 flushed, TB/s of the K/V read;
+# copy 4.25 TB/s; vLLM 0.33's kernel in the same runs: 291 / 351 / 647 us, B1 x 4096
+# 45 us). Config (block_n, chunk_min, max_chunks, warps, stages):
+#   (64, 4096, 32, 4, 3): B64 x 4096 260 us (4.13 TB/s), B1 x 131072 143 us (3.76),
+#     mixed decode part (127 x 4096 beside a 2048-token chunk) 505 us (4.22),
+#     B1 x 4096 77 us (8 programs: one chunk per sequence and kv head);
+#   (64, 2048, 64, 4, 3): 277 / 148 / 529 us, B1 x 4096 50 us;
+#   (64, 1024, 64, 4, 3): 281 / 148 / 537 us, B1 x 4096 31 us;
+#   (64, 512, 64, 4, 3): 288 / 148 / 551 us, B1 x 4096 21 us;
+#   (128, 1024, 64, 4, 2) 285 / 150 / 547; at 1024-key chunks also (64, 4) 297 us and
+#   (32, 4) 310 us at B64, 8 warps 368 us, 2 stages 314 us, ids not prefetched 322 us.
+# Longer chunks win at large batches (each extra chunk stores a partial state and
+# the combine merges it: B64 x 4096 260 -> 281 us from one to four chunks) and lose
+# at small ones (fewer programs); batch invariance forbids choosing them from the
+# batch, so the config follows the issue's targets (B64 x 4096 >= 3.9 TB/s) and
+# pays at B1 x 4096 (77 us, vLLM 45; 21 us with 512-key chunks).
+# fp8 cache (fp8_mode, B64 x 4096): 0 (dots in bf16: e4m3 -> bf16 is four
+# conversions per two values) 333 us at 1024-key chunks; 1 (fp16 dots) 258 us
+# (2.08 TB/s of fp8 bytes); e4m3 -> fp16 by integer ops (fp8_mode 2 then,
+# removed) 351 us at 1024-key chunks, 313 us at 4096 (the kernel spilled). The
+# default (fp8_mode 1, 4096-key chunks) was not measured: the fp8 path stays
+# compute-bound, short of the issue's 3.4 TB/s. Other head sizes, fp32 and block
+# sizes run this config unmeasured.
 DEFAULT_CONFIG = UnifiedDecodeConfig()
 # rows of one program's tiles for a query of up to DECODE_MAX_Q tokens: at most
 # ACC_MAX / BLOCK_D (the fp32 accumulator's elements; larger GQA groups take
@@ -48,6 +75,9 @@ DEFAULT_CONFIG = UnifiedDecodeConfig()
 # offline for sm_90 (64 rows: see tests/test_offline_compile.py's case)
 ACC_MAX = 128 * 128
 COMBINE_WARPS = 4
+# NOTE: the work split aims at 2 programs per SM (B1 x 131072 at 1024-key chunks,
+# H200: 148 us with 2 chunks per program, 178 us with 4 (1 program per SM))
+PROGRAMS_PER_SM = 2
 
 
 def decode_config(target, p) -> UnifiedDecodeConfig:
@@ -64,6 +94,10 @@ def _check(config: UnifiedDecodeConfig):
     mc = config.max_chunks
     if mc < 1 or mc & (mc - 1):
         raise ValueError(f"config: max_chunks must be a power of two, got {mc}")
+    if config.fp8_mode not in (0, 1):
+        raise ValueError(f"config: fp8_mode must be 0 or 1, got {config.fp8_mode}")
+    if config.chunks_per_program < 0:
+        raise ValueError(f"config: chunks_per_program must be >= 0, got {config.chunks_per_program}")
 
 
 def decode_launches(target, p, config=None):
@@ -77,6 +111,11 @@ def decode_launches(target, p, config=None):
     max_len = max(0, min(p.max_seqlen_k, p.table_width * p.block_size))
     slots = max(1, min(config.max_chunks, cdiv(max_len, config.chunk_min)))
     rows_per_seq = max(1, min(p.max_seqlen_q, DECODE_MAX_Q))
+    # the work split: consecutive chunks per program, for about PROGRAMS_PER_SM
+    # programs per SM if every sequence had the most chunks (speed only)
+    per_program = config.chunks_per_program or cdiv(p.bsz * p.hkv * slots,
+                                                    PROGRAMS_PER_SM * target.num_sms)
+    per_program = max(1, min(slots, per_program))
     split = slots > 1
     n_rows = p.bsz * rows_per_seq
     buffers = {
@@ -99,8 +138,9 @@ def decode_launches(target, p, config=None):
     runtime = dict(table_width=Scalar(p.table_width), rows_per_seq=Scalar(rows_per_seq),
                    num_slots=Scalar(slots), chunk_min=Scalar(config.chunk_min),
                    max_chunks=Scalar(config.max_chunks))
+    kv_f16 = p.kv_fp8 and config.fp8_mode > 0 and p.compute_dtype != "float32"
     decode = Launch(
-        kernel=_unified_decode_kernel, grid=(p.bsz, p.hkv, slots),
+        kernel=_unified_decode_kernel, grid=(p.bsz, p.hkv, cdiv(slots, per_program)),
         params=dict(q_ptr="q", k_ptr="k", v_ptr="v", cu_seqlens_q_ptr="cu_seqlens_q",
                     seqused_k_ptr="seqused_k", block_table_ptr="block_table",
                     causal_ptr="causal_flags" if p.causal_flags else "cu_seqlens_q",
@@ -112,16 +152,18 @@ def decode_launches(target, p, config=None):
                     out_scale_ptr="output_scale" if p.out_fp8 else "q", out_in_ptr="out",
                     stride_bt_b=Scalar(p.table_strides[0]), stride_bt_n=Scalar(p.table_strides[1]),
                     num_blocks=Scalar(max(p.num_blocks, 1)), **runtime,
+                    chunks_per_program=Scalar(per_program),
                     out_ptr="out", part_o_ptr="decode_o", part_m_ptr="decode_m",
                     part_l_ptr="decode_l"),
         writes=("out_ptr", "part_o_ptr", "part_m_ptr", "part_l_ptr"),
         constexprs=dict(
             SCALE=p.scale, SOFTCAP=p.softcap, NUM_Q_HEADS=p.hq, GROUP=p.group, HEAD_D=p.d,
             BLOCK_D=p.block_d, ID_RUN=math.gcd(config.block_n, p.block_size), OFFS32=p.offs32,
-            ROWS_SMALL=rows_small, ROWS_BIG=rows_big, PREFETCH_IDS=bool(config.prefetch_ids),
+            ROWS_SMALL=rows_small, ROWS_BIG=rows_big,
             CAUSAL=p.causal, HAS_CAUSAL_FLAGS=p.causal_flags, HAS_ALIBI=p.alibi,
             ALIBI_SQRT=p.alibi_sqrt, HAS_SINKS=p.sinks, KV_FP8=p.kv_fp8,
             KV_U8=p.kv_dtype == "uint8", Q_FP8=p.q_fp8, COMPUTE_F16=p.compute_dtype == "float16",
+            KV_F16=kv_f16,
             **chunking, **window, **fp8,
             stride_q_t=s["q_t"], stride_q_h=s["q_h"], stride_o_t=s["o_t"], stride_o_h=s["o_h"],
             stride_kc_b=s["kc_b"], stride_kc_t=s["kc_t"], stride_kc_h=s["kc_h"],

@@ -71,3 +71,18 @@ LIGHTNING_VARLEN = [
          sweep=name == "B16-mixed256-8192")
     for name, lens in LIGHTNING_VARLEN_LENS.items() for dt in ("bfloat16", "float32")
 ]
+
+
+# unified_attention (vLLM's TRITON_ATTN kernel): Llama-8B heads (Hq=32, Hkv=8, D=128), bf16,
+# vLLM's flash cache layout [num_blocks, 16, Hkv, D]. (name, [(query_len, kv_len), ...],
+# options); kv_len = seqused_k counts the new tokens (prefill "q1024 over ctx4096": 5120).
+# vLLM 0.33's kernel on the H200 (2026-11-27): 290, 351, 658, 4289, 7470 and 4706 us.
+UNIFIED_MODEL = dict(hq=32, hkv=8, d=128, block_size=16)
+UNIFIED_SHAPES = (
+    ("decode-B64-ctx4096-bf16", [(1, 4096)] * 64, {}),
+    ("decode-B64-ctx4096-bf16-fp8kv", [(1, 4096)] * 64, {"kv_fp8": True}),
+    ("decode-B1-ctx131072-bf16", [(1, 131072)], {}),
+    ("prefill-B4-q1024-ctx4096-bf16", [(1024, 5120)] * 4, {}),
+    ("prefill-B1-q8192-ctx0-bf16", [(8192, 8192)], {}),
+    ("mixed-q2048-ctx8192+127dec-ctx4096-bf16", [(2048, 10240)] + [(1, 4096)] * 127, {}),
+)

@@ -79,6 +79,12 @@ OPS = {
         # vs_baseline = our TFLOP/s / 139: the modelled kernel's rate on this shape's FLOPs
         baseline=("speedup", "modelled kernel at 139 TFLOP/s", "vs_baseline"),
         skip=("torch-sdpa",)),  # the dense SDPA reference row
+    "unified_attention": dict(
+        case=("name",), time=("torch_us",), metric=(("TB/s", "TB/s"), ("TFLOP/s", "TFLOP/s")),
+        dtype="dtype",
+        # each row names its baseline: vLLM's kernel in the same run (where .peer/ has it)
+        baseline=("row", None, None),
+        skip=("host-overhead",)),  # host time per call, not a kernel time
 }
 FALLBACK = dict(
     case=("name", "case", "variant", "config", "what"), time=("us", "time_us", "torch_us"),

@@ -34,13 +34,15 @@ PARALLEL_SUITE_1=(
   "tests/test_prefix_prefill.py@not real_sizes and not cache_layout_matrix and not plans_build"
   "tests/test_lightning_attention.py"
   "tests/test_properties.py"
-  "tests/test_lightning_backward.py;tests/test_merge_attn_states.py;tests/test_merge_backward.py;tests/test_vmap.py;tests/test_spmd.py")
+  "tests/test_lightning_backward.py;tests/test_merge_attn_states.py;tests/test_merge_backward.py;tests/test_vmap.py;tests/test_spmd.py"
+  "tests/test_unified_attention.py@not real_sizes and not cuda_graph")
 PARALLEL_SUITE_2=(
   "tests/test_prefix_prefill.py@real_sizes or cache_layout_matrix or plans_build"
   "tests/test_blocksparse_attention.py;tests/test_autograd_safety.py"
   "tests/test_blocksparse_backward.py;tests/test_architecture.py;tests/test_packaging.py;tests/test_bench_summary.py;tests/test_fp8_rounding.py;tests/test_docs.py"
   "tests/test_lightning_varlen.py;tests/test_index_validation.py;tests/test_scalar_policy.py"
-  "tests/test_vllm_signatures.py;tests/test_dtensor.py;tests/test_offline_compile.py;tests/test_call_memo.py;tests/test_example_scale.py;tests/test_reshape_and_cache_flash.py")
+  "tests/test_vllm_signatures.py;tests/test_dtensor.py;tests/test_offline_compile.py;tests/test_call_memo.py;tests/test_example_scale.py;tests/test_reshape_and_cache_flash.py"
+  "tests/test_unified_attention.py@real_sizes or cuda_graph;tests/test_unified_prefill.py;tests/test_unified_decode_invariance.py")
 if [[ $what == suites ]]; then
   # both calls' suites in one: suite1 on GPU 0 and suite2 on GPU 1 at once where two GPUs
   # are visible (a two-GPU machine halves the wall time), else one after the other

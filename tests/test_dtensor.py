@@ -139,6 +139,20 @@ ctx = lambda q, k, v, o, kc, vc, bl, bst, bsq, sinks: at.context_attention_fwd(
 check("context_attention_fwd heads", ctx, [q, k, v, o, kc, vc, b_loc, b_start, b_seq, sinks],
       [S1, S1, S1, S1, S1, S1, R, R, R, S0], [3])
 
+# unified_attention: GQA, vLLM's flash cache [num_blocks, block_size, Hkv, D] sharded on its kv heads
+ukc, ukv = randn(5, BS, HKV, D), randn(5, BS, HKV, D)
+uo = torch.full((T, H, D), float("nan"))
+table = torch.tensor([[2, 0], [3, 1]], dtype=torch.int32)
+cuq = torch.tensor([0, 3, 5], dtype=torch.int32)
+used = torch.tensor([c + l for c, l in zip(ctxs, qlens)], dtype=torch.int32)
+slopes = randn(H).abs()
+max_k = max(c + l for c, l in zip(ctxs, qlens))
+uni = lambda q, k, v, o, cu, used, table, sinks, slopes: at.unified_attention(
+    q, k, v, o, cu, max(qlens), used, max_k, 0.25, True, (7, 0), table, 0.0, None, None, None,
+    sinks=sinks, alibi_slopes=slopes)
+check("unified_attention heads", uni, [q, ukc, ukv, uo, cuq, used, table, sinks, slopes],
+      [S1, S2, S2, S1, R, R, R, S0, S0], [3])
+
 # blocksparse_flash_attn_varlen_fwd: GQA, one layout per query head
 (crow, col), _ = build_sparse_layout(H, 64, 16, 2, 2, False)
 crow, col = torch.from_numpy(crow.copy()), torch.from_numpy(col.copy())

@@ -48,6 +48,8 @@ COMPILED = {
                                    "_bsattn_bwd_dq_gluon_kernel", "_bsattn_bwd_dkdv_gluon_kernel"}),
     "example_scale": (2, {"_example_scale_kernel"}),
     "reshape_and_cache_flash": (4, {"_reshape_and_cache_flash_kernel"}),
+    "unified_attention_decode": (8, {"_unified_decode_kernel", "_unified_decode_combine_kernel"}),
+    "unified_attention_prefill": (8, {"_prefix_prefill_kernel", "_prefix_prefill_gather_kernel"}),
 }
 
 
@@ -319,6 +321,95 @@ def blocksparse_attention_cases():
     yield ("backward fp32 D80 (masked D), q blocks of two layout rows", hopper,
            plan_blocksparse_attention_backward, backward(2, 1024, 8, 2, 80, "float32", q_len=200),
            dict(q_block_size=128))
+
+
+def unified_attention_decode_cases():
+    """unified_attention's decode path (max_seqlen_q <= DECODE_MAX_Q: no prefill launch)."""
+    from core_kernels.unified_attention import plan_unified_attention
+    from core_kernels.unified_attention.decode_plan import UnifiedDecodeConfig
+    hopper, _ = _targets()  # no Gluon kernels
+
+    def arrays(dtype, hq, hkv, d, *, b=8, q_len=1, bs=16, width=1024, cache=None, blocks=None,
+               table="int32", **extra):
+        t = b * q_len
+        return dict(q=_ai((t, hq, d), dtype), k=_ai((blocks or b * width, bs, hkv, d), cache or dtype),
+                    v=_ai((blocks or b * width, bs, hkv, d), cache or dtype),
+                    cu_seqlens_q=_ai((b + 1,), "int32"), seqused_k=_ai((b,), "int32"),
+                    block_table=_ai((b, width), table), **extra)
+
+    one = _ai((1,), "float32")
+    yield ("bf16 D128 GQA 4, split (decode + combine)", hopper, plan_unified_attention,
+           arrays("bfloat16", 32, 8, 128), dict(max_seqlen_q=1, max_seqlen_k=16384, softmax_scale=0.088))
+    yield ("bf16 D128 float8 cache (fp16 dots), [B, Hkv] descales, softcap, sinks, window, split",
+           hopper, plan_unified_attention,
+           arrays("bfloat16", 32, 8, 128, q_len=4, cache="float8_e4m3fn", k_descale=_ai((8, 8), "float32"),
+                  v_descale=_ai((8, 8), "float32", (0, 0)), sinks=_ai((32,), "float32")),
+           dict(max_seqlen_q=4, max_seqlen_k=16384, softmax_scale=0.088, kv_quant_mode=1, softcap=30.0,
+                window_left=511, window_right=0))
+    yield ("fp8 q, uint8 cache (bf16 dots: fp8_mode 0), fp8 output, ALiBi sqrt, causal flags, "
+           "int64 table, split", hopper,
+           plan_unified_attention,
+           arrays("float8_e4m3fn", 16, 2, 64, q_len=2, cache="uint8", table="int64", q_descale=one,
+                  k_descale=one, v_descale=one, output_scale=one, alibi_slopes=_ai((16,), "float32"),
+                  causal_flags=_ai((8,), "bool"), out=_ai((16, 16, 64), "float8_e4m3fn")),
+           dict(max_seqlen_q=2, max_seqlen_k=16384, softmax_scale=0.125, kv_quant_mode=1, use_alibi_sqrt=True,
+                config=UnifiedDecodeConfig(fp8_mode=0)))
+    yield ("fp16 D80 GQA 5 block 544, ALiBi, one chunk", hopper, plan_unified_attention,
+           arrays("float16", 10, 2, 80, q_len=8, bs=544, width=2, alibi_slopes=_ai((10,), "float32")),
+           dict(max_seqlen_q=8, max_seqlen_k=1000, softmax_scale=0.11))
+    yield ("fp32 D256 GQA 16 (two passes of 8-token queries), int64 offsets, non-causal window",
+           hopper, plan_unified_attention,
+           arrays("float32", 32, 2, 256, q_len=8, width=8, blocks=1 << 17),
+           dict(max_seqlen_q=8, max_seqlen_k=8192, softmax_scale=0.06, causal=False, window_left=100))
+
+
+def unified_attention_prefill_cases():
+    """unified_attention's prefill path alone (prefill_launches on context_attention_fwd's
+    kernels, the flash cache layout; the decode path's launches are its own cases)."""
+    from core_kernels._plan import Plan
+    from core_kernels.unified_attention.prefill_plan import UnifiedPrefillConfig, prefill_launches
+    from core_kernels.unified_attention.problem import validate
+    hopper, _ = _targets()
+
+    def prefill_only(target, config=None, **arrays_and_options):
+        p = validate(**arrays_and_options)
+        buffers, launches = prefill_launches(target, p, config)
+        return Plan({**p.buffers, **buffers}, tuple(launches), ("out",))
+
+    def arrays(dtype, hq, hkv, d, *, t, b, width, bs=16, cache=None, table="int32", **extra):
+        blocks = b * width + 1
+        return dict(q=_ai((t, hq, d), dtype), k=_ai((blocks, bs, hkv, d), cache or dtype),
+                    v=_ai((blocks, bs, hkv, d), cache or dtype), cu_seqlens_q=_ai((b + 1,), "int32"),
+                    seqused_k=_ai((b,), "int32"), block_table=_ai((b, width), table), **extra)
+
+    one = _ai((1,), "float32")
+    yield ("bf16 D128 B4 x 1024 over 4096: gathered, flat grid", hopper, prefill_only,
+           arrays("bfloat16", 32, 8, 128, t=4096, b=4, width=320),
+           dict(max_seqlen_q=1024, max_seqlen_k=5120, softmax_scale=0.088))
+    yield ("bf16 D128 mixed batch (a 2048 chunk, 127 decodes): paged, flat grid", hopper, prefill_only,
+           arrays("bfloat16", 32, 8, 128, t=2175, b=128, width=640),
+           dict(max_seqlen_q=2048, max_seqlen_k=10240, softmax_scale=0.088))
+    fp8 = arrays("float8_e4m3fn", 16, 4, 64, t=600, b=4, width=64, cache="uint8", table="int64",
+                 q_descale=one, k_descale=_ai((4, 4), "float32"), v_descale=_ai((4, 4), "float32", (0, 0)),
+                 output_scale=one, out=_ai((600, 16, 64), "float8_e4m3fn"), sinks=_ai((16,), "float32"),
+                 alibi_slopes=_ai((16,), "float32"), causal_flags=_ai((4,), "bool"))
+    fp8_options = dict(max_seqlen_q=300, max_seqlen_k=1000, softmax_scale=0.125, kv_quant_mode=1,
+                       softcap=30.0, use_alibi_sqrt=True, window_left=255, window_right=0)
+    yield ("fp8 q (bf16 dots), uint8 cache, [B, Hkv] descales, fp8 out, softcap, sinks, ALiBi sqrt, "
+           "causal flags (symmetric window), int64 table: paged", hopper, prefill_only, fp8,
+           dict(fp8_options, config=UnifiedPrefillConfig(128, 64, gather=False)))
+    yield ("the same, gathered (the cache widened to bf16)", hopper, prefill_only, fp8,
+           dict(fp8_options, config=UnifiedPrefillConfig(128, 64, gather=True)))
+    yield ("fp8 q with an fp16 output (fp16 dots), float8 cache, D80 GQA 5, block 544, ALiBi: "
+           "paged, per-sequence grid", hopper, prefill_only,
+           arrays("float8_e4m3fn", 10, 2, 80, t=400, b=2, width=2, bs=544, cache="float8_e4m3fn",
+                  q_descale=one, k_descale=one, v_descale=one, alibi_slopes=_ai((10,), "float32"),
+                  out=_ai((400, 10, 80), "float16")),
+           dict(max_seqlen_q=200, max_seqlen_k=1000, softmax_scale=0.11, kv_quant_mode=1,
+                config=UnifiedPrefillConfig(64, 32, 4, 2, gather=False, flat_grid=False)))
+    yield ("fp32 D256 GQA 16, int64 offsets, non-causal window", hopper, prefill_only,
+           arrays("float32", 32, 2, 256, t=512, b=2, width=1 << 16),
+           dict(max_seqlen_q=256, max_seqlen_k=4096, softmax_scale=0.06, causal=False, window_left=100))
 
 
 # ---------------------------------------------------------------- the compile run (subprocess)

@@ -132,6 +132,34 @@ def run_blocksparse(adapter, kw, keep):
                                                       tuple(map(conv, layout)), **kw)),)
 
 
+_UNIFIED_CACHE = {}
+
+
+def run_unified(adapter, kw, keep):
+    kw = dict(kw)
+    fp8 = "k_descale" in kw or "v_descale" in kw
+    if fp8 not in _UNIFIED_CACHE:
+        import test_unified_attention as tua
+        _UNIFIED_CACHE[fp8] = tua.make_case([(5, 9), (1, 3)], 2, 1, 16, 8, "float32", seed=3,
+                                            kv="fp8" if fp8 else None)
+    c = _UNIFIED_CACHE[fp8]
+    opts = dict(max_seqlen_q=c["max_seqlen_q"], max_seqlen_k=c["max_seqlen_k"], softmax_scale=0.25,
+                window_size=(-1, -1), softcap=0.0, k_descale=None, v_descale=None)
+    opts.update(kw)
+    arrays = [c[n] for n in ("q", "k", "v", "cu_seqlens_q", "seqused_k", "block_table")]
+    if adapter == "torch":
+        o = to_torch(poison_like(c["q"].shape, "float8_e4m3fn" if opts.get("output_scale") is not None
+                                 else "float32"))
+        keep.append(o)
+        q, k, v, cu, used, table = map(to_torch, arrays)
+        at.unified_attention(q, k, v, o, cu, opts.pop("max_seqlen_q"), used, opts.pop("max_seqlen_k"),
+                             opts.pop("softmax_scale"), True, opts.pop("window_size"), table,
+                             opts.pop("softcap"), None, opts.pop("k_descale"), opts.pop("v_descale"),
+                             kv_quant_mode=opts.pop("kv_quant_mode", 1 if fp8 else 0), **opts)
+        return (_np(o),)
+    return (_np(_aj().unified_attention(*map(to_jax, arrays), **opts)),)
+
+
 def run_cache(adapter, kw, keep):
     """reshape_and_cache_flash into poisoned fp8 caches (kv_cache_dtype "fp8" unless given)."""
     kw = dict(kw)
@@ -149,7 +177,8 @@ def run_cache(adapter, kw, keep):
 
 
 RUNNERS = {"merge": run_merge, "prefix": run_prefix, "lightning": run_lightning,
-           "decode": run_decode, "blocksparse": run_blocksparse, "cache": run_cache}
+           "decode": run_decode, "blocksparse": run_blocksparse, "cache": run_cache,
+           "unified": run_unified}
 
 NAN, INF = float("nan"), float("inf")
 
@@ -194,6 +223,23 @@ BAD = [
     ("prefix", dict(k_scale=True, v_scale=1.0), TypeError),
     ("prefix", dict(fp8_out_scale=0.0), ValueError),
     ("prefix", dict(fp8_out_scale=-INF), ValueError),
+    ("unified", dict(softmax_scale=NAN), ValueError),
+    ("unified", dict(softmax_scale=3e38), ValueError),     # times log2(e) beyond float32
+    ("unified", dict(softmax_scale=True), TypeError),
+    ("unified", dict(max_seqlen_q=-1), ValueError),
+    ("unified", dict(max_seqlen_q=2.5), TypeError),
+    ("unified", dict(max_seqlen_k=True), TypeError),
+    ("unified", dict(max_seqlen_k=2 ** 40), ValueError),
+    ("unified", dict(window_size=(2.5, 0)), TypeError),
+    ("unified", dict(window_size=(-2, 0)), ValueError),
+    ("unified", dict(window_size=(0, 2 ** 40)), ValueError),
+    ("unified", dict(window_size=5), TypeError),
+    ("unified", dict(softcap=NAN), ValueError),
+    ("unified", dict(softcap=-1.0), ValueError),
+    ("unified", dict(softcap="1"), TypeError),
+    ("unified", dict(k_descale=0.0, v_descale=1.0), ValueError),
+    ("unified", dict(k_descale=1.0, v_descale=INF), ValueError),
+    ("unified", dict(output_scale=-1.0), ValueError),
     ("lightning", dict(block_size=0), ValueError),
     ("lightning", dict(block_size=-3), ValueError),
     ("lightning", dict(block_size=2.5), TypeError),
@@ -227,6 +273,8 @@ BAD = [
     ("cache", dict(k_scale=1.0, v_scale=1.0, kv_cache_dtype=8), TypeError),
 ]
 BAD_TORCH_ONLY = [
+    ("unified", dict(kv_quant_mode=2.5), TypeError),
+    ("unified", dict(kv_quant_mode="BOGUS"), ValueError),
     ("prefix", dict(max_seq_len=2.5), TypeError),
     ("prefix", dict(max_seq_len=-1), ValueError),
 ]
@@ -289,6 +337,12 @@ FORMS = [
     ("prefix", "sliding_window", 4, {}),
     ("prefix", "k_scale", 0.5, dict(v_scale=2.0)),
     ("prefix", "fp8_out_scale", 0.05, {}),
+    ("unified", "softmax_scale", 0.3, {}),
+    ("unified", "max_seqlen_q", 5, {}),
+    ("unified", "max_seqlen_k", 14, {}),
+    ("unified", "softcap", 2.0, {}),
+    ("unified", "k_descale", 0.5, dict(v_descale=2.0)),
+    ("unified", "output_scale", 0.05, {}),
     ("lightning", "block_size", 16, {}),
     ("decode", "BLOCK_SIZE", 32, {}),
     ("blocksparse", "sm_scale", 0.2, {}),

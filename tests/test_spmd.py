@@ -132,6 +132,23 @@ check("context", fn, m2, arrs, (h2, h2, h2, h2, h2, R, R, R, h2))
 # follow 4 shards on one axis: gathered, still exact
 check("context/gqa gathered", fn, m4, arrs, (P(None, "x"), R, R, R, R, R, R, R, P(None, "x")),
       gathered=True)
+
+# unified_attention: GQA over 2 x 2 axes (4 query heads, 2 kv heads on "a"), per-sequence causal
+# flags, sinks [Hq], [B, Hkv] fp8 descales sharded with the kv heads, out= aliased
+import test_unified_attention as tua
+uc = tua.make_case([(9, 20), (1, 7), (3, 0)], 4, 2, 16, 8, "float32", kv="fp8", per_seq_descale=True,
+                   causal=[True, False, True], seed=7)
+sinks = g.standard_normal(4).astype(np.float32)
+uarrs = tuple(uc[n] for n in tua.ARRAYS) + (uc["causal"], uc["k_descale"], uc["v_descale"], sinks,
+                                            np.full(uc["q"].shape, np.nan, np.float32))
+fn = lambda q, k, v, cu, used, table, flags, kd, vd, sinks, o: aj.unified_attention(
+    q, k, v, cu, used, table, max_seqlen_q=9, max_seqlen_k=27, softmax_scale=0.3, causal=flags,
+    window_size=(11, 0), k_descale=kd, v_descale=vd, sinks=sinks, out=o)
+kva = P(None, None, "a")
+out = check("unified/gqa", fn, m22, uarrs, (hab, kva, kva, R, R, R, R, ha, ha, P(("a", "b")), hab))
+assert out[0].sharding.spec == hab, "unified: output sharding"
+check("unified/gqa gathered", fn, m4, uarrs, (P(None, "x"), R, R, R, R, R, R, R, R, P("x"), P(None, "x")),
+      gathered=True)
 print(f"ok {time.time() - t0:.1f}s")
 """
 

@@ -88,6 +88,21 @@ VLLM_SIGNATURES = {
         "(vLLM 0.33; the CUDA op reshape_and_cache_flash takes the same arguments)",
         _p("key", "value", "key_cache", "value_cache", "slot_mapping", "kv_cache_dtype", "k_scale",
            "v_scale")),
+    "unified_attention": VllmSignature(
+        "vllm/v1/attention/ops/triton_unified_attention.py (vLLM 0.33, commit ced6857a; later "
+        "commits append raw_k / raw_v, which ours takes after these). kv_quant_mode's default is "
+        "KVQuantMode.NONE, an IntEnum equal to 0: ours is the int 0",
+        _p("q", "k", "v", "out", "cu_seqlens_q", "max_seqlen_q", "seqused_k", "max_seqlen_k",
+           "softmax_scale", "causal", "window_size", "block_table", "softcap", "q_descale",
+           "k_descale", "v_descale")
+        + tuple(Param(n, default=None) for n in (
+            "seq_threshold_3D", "num_par_softmax_segments", "softmax_segm_output", "softmax_segm_max",
+            "softmax_segm_expsum", "alibi_slopes", "output_scale", "qq_bias", "sinks",
+            "mm_prefix_range", "rswa_prefix_lens", "rswa_window"))
+        + (Param("use_alibi_sqrt", default=False), Param("kv_quant_mode", default=0),
+           Param("k_scale_cache", default=None), Param("v_scale_cache", default=None),
+           Param("chunk_lookback", default=-1), Param("use_td", default=False),
+           Param("mm_prefix_clamp_sliding_window", default=False))),
     "lightning_attention": VllmSignature(
         "vllm/model_executor/layers/lightning_attn.py (commit 030ea52e)",
         _p("q", "k", "v", "ed")
@@ -321,6 +336,37 @@ def test_smoke_context_attention_fwd(form):
     check(out[rows], ref[rows], "output")
     if skip:
         assert np.isnan(out[~rows]).all(), "skip_decode: the decode row must not be written"
+
+
+# ------------------------------------------------------------------ smoke: unified_attention
+@requires_match("unified_attention")
+def test_smoke_unified_attention():
+    """vLLM's TRITON_ATTN backend (TritonAttentionImpl.forward): every argument by
+    keyword, out a slice of the padded output, k_descale / v_descale the layer's
+    1-element scales expanded to [B, Hkv] (stride 0) for a plain bf16/fp32 cache, the
+    split-softmax scratch passed; a batch of prefill, decode and chunked-prefill rows."""
+    from core_kernels.unified_attention import unified_attention_reference
+    from test_unified_attention import make_case
+    c = make_case([(9, 20), (1, 33), (12, 0)], 4, 2, 32, 16, "float32")
+    t = {n: to_torch(c[n]) for n in ("q", "k", "v", "cu_seqlens_q", "seqused_k", "block_table")}
+    padded = torch.full((c["q"].shape[0] + 5, 4, 32), float("nan"), device=DEVICE)
+    scale = torch.ones((), device=DEVICE)
+    b = c["seqused_k"].shape[0]
+    at.unified_attention(
+        q=t["q"], k=t["k"], v=t["v"], out=padded[:c["q"].shape[0]], cu_seqlens_q=t["cu_seqlens_q"],
+        max_seqlen_q=c["max_seqlen_q"], seqused_k=t["seqused_k"], max_seqlen_k=c["max_seqlen_k"],
+        softmax_scale=0.3, causal=True, alibi_slopes=None, use_alibi_sqrt=False, window_size=(-1, -1),
+        block_table=t["block_table"], softcap=0, q_descale=None, k_descale=scale.expand(b, 2),
+        v_descale=scale.expand(b, 2), seq_threshold_3D=8, num_par_softmax_segments=16,
+        softmax_segm_output=torch.empty(8, 4, 16, 32, device=DEVICE),
+        softmax_segm_max=torch.empty(8, 4, 16, device=DEVICE),
+        softmax_segm_expsum=torch.empty(8, 4, 16, device=DEVICE), sinks=None, output_scale=None,
+        mm_prefix_range=None, kv_quant_mode=0)
+    ref = unified_attention_reference(*(c[n] for n in ("q", "k", "v", "cu_seqlens_q", "seqused_k",
+                                                      "block_table")), softmax_scale=0.3)
+    out = torch_to_numpy(padded)
+    check(out[:-5], ref, "output")
+    assert np.isnan(out[-5:]).all(), "rows past out's slice must not be written"
 
 
 # ------------------------------------------------------------------ smoke: lightning

@@ -77,6 +77,18 @@ def _context(q, k, v, kc, vc, b_loc, b_start, b_len, output):
                                     output=output)
 
 
+def _unified_example(seed):
+    import test_unified_attention as tua
+    lens = [(3, 10), (2, 5)] if seed % 2 else [(1, 12), (4, 3)]  # same shapes: T 5, 6 blocks of 8
+    case = tua.make_case(lens, 2, 1, 16, 8, "float32", seed=seed, kv="fp8", per_seq_descale=True)
+    return tuple(case[n] for n in tua.ARRAYS) + (case["k_descale"], poison_like(case["q"].shape, "float32"))
+
+
+def _unified(q, k, v, cu, used, table, k_descale, out):
+    return aj.unified_attention(q, k, v, cu, used, table, max_seqlen_q=4, max_seqlen_k=13, softmax_scale=0.3,
+                                window_size=(9, 0), k_descale=k_descale, v_descale=0.8, out=out)
+
+
 CASES = {
     "merge": (aj.merge_attn_states, _merge_example),
     "merge_count": (lambda po, pl, so, sl, c: aj.merge_attn_states(
@@ -89,6 +101,7 @@ CASES = {
         q, k, v, ed, cu, kv_cache=cache, slot_idx=slots), _varlen_example),
     "blocksparse": (_blocksparse, _blocksparse_example),
     "context": (_context, _context_example),
+    "unified": (_unified, _unified_example),
 }
 
 # (case, in_axes): a non-zero axis and mixed batched / unbatched sets for every op;
@@ -109,6 +122,8 @@ COMBOS = [
     ("blocksparse", (None, 0, None, None, 0, 0)),        # layout batched
     ("context", (1, None, 0, None, 2, None, None, None, None)),    # heads
     ("context", (None, 0, None, 0, None, 0, 0, 0, 1)),             # index data batched: tokens
+    ("unified", (1, None, None, None, None, None, None, None)),     # q alone: tokens, one shared cache
+    ("unified", (None, 0, 1, 0, None, 0, 0, 1)),     # cache, tables, descales batched: blocks offset
 ]
 
 
@@ -151,7 +166,8 @@ def _launches(fn, example_args) -> int:
     return jax.jit(fn).lower(*map(jnp.asarray, example_args)).as_text().count("custom_call")
 
 
-JIT_COMBOS = [COMBOS[1], COMBOS[2], COMBOS[4], COMBOS[6], COMBOS[8], COMBOS[10], COMBOS[12], COMBOS[14]]
+JIT_COMBOS = [COMBOS[1], COMBOS[2], COMBOS[4], COMBOS[6], COMBOS[8], COMBOS[10], COMBOS[12], COMBOS[14],
+              COMBOS[16]]
 
 
 @pytest.mark.parametrize("name,in_axes", JIT_COMBOS, ids=lambda v: str(v).replace(" ", ""))
@@ -169,7 +185,8 @@ def test_jit_of_vmap_is_one_callback_without_loop(name, in_axes):
     ("merge", (0, None, 0, 0), (1, None, None, 0)),
     ("decode", (0, 0, 0, None, None, 0), (0, None, 0, 0, None, None)),
     ("context", (0, 0, 0, 0, 0, 0, 0, 0, None), (None, None, None, None, None, None, None, None, 0)),
-], ids=["merge", "decode", "context"])
+    ("unified", (0, 0, 0, 0, 0, 0, None, 0), (None, None, None, None, 0, None, 0, 0)),
+], ids=["merge", "decode", "context", "unified"])
 def test_nested_vmap(name, outer, inner):
     """vmap of vmap: the outer rule folds the inner rule's already folded launch."""
     fn, example = CASES[name]
@@ -206,6 +223,7 @@ def test_keywords_static_args_and_docstrings_survive_the_wrapping():
     ("decode", (0, None, None, None, 0, 0), "slope_rate"),
     ("context", (0, 0, 0, 0, 0, 0, 0, 0, None), "alibi_slopes"),
     ("blocksparse", (0, 0, 0, 0, None, None), "cu_seqlens_k"),
+    ("unified", (0, None, None, None, None, None, None, None), "q_descale"),
 ])
 def test_unsupported_batching_names_the_argument(name, in_axes, arg):
     fn, example = CASES[name]
@@ -213,6 +231,13 @@ def test_unsupported_batching_names_the_argument(name, in_axes, arg):
         fn = lambda po, pl, so, sl, s: aj.merge_attn_states(po, pl, so, sl, output_scale=s)  # noqa: E731
         args = make_inputs(5, 2, 16, "float32") + (np.ones((V, 1), np.float32),)
         in_axes = (None, None, None, None, 0)
+    elif name == "unified":
+        fn = lambda q, *a: aj.unified_attention(q, *a[:5], max_seqlen_q=4, max_seqlen_k=13,  # noqa: E731
+                                                softmax_scale=0.3, k_descale=0.5, v_descale=0.5,
+                                                q_descale=a[5])
+        example = _unified_example(0)
+        args = (np.stack([example[0]] * V),) + example[1:6] + (np.ones((V, 1), np.float32),)
+        in_axes = (0, None, None, None, None, None, 0)
     elif name == "context":
         fn = lambda *a: aj.context_attention_fwd(*a[:8], max_input_len=4, alibi_slopes=a[8])  # noqa: E731
         args, _ = _inputs(example, in_axes, V, 0)

@@ -4,10 +4,16 @@ against vLLM's own Triton kernels (the baseline), side by side.
     python -m tools.peer_check --impl both            # from the repository root
     python -m tools.peer_check --impl ours --only prefix,merge -k alibi
     python -m tools.peer_check --impl both --collect-only
+    python -m tools.peer_check --fetch                 # vLLM's files from GitHub (network)
+    python -m tools.peer_check --fetch --from-dir DIR  # or from DIR/<repository path>
 
-vLLM's files live in .peer/vllm_src/ (git-ignored, listed with their repository
-paths and commits in .peer/MANIFEST.json; never committed). For each mode this
-tool assembles .peer/shim/<impl>/ (see tools/peer_check_shim/README.md):
+vLLM's files live in .peer/vllm_src/ (git-ignored; never committed). Which files,
+at which commits, with which sha256: tools/peer_check_shim/MANIFEST.json. --fetch
+reads each file that is missing or differs there, from GitHub at its commit or,
+with --from-dir, from a directory holding the files at their repository paths
+(a vLLM checkout at the commit, or files saved by hand from another source), and
+accepts a file only when its sha256 matches. For each mode this tool assembles
+.peer/shim/<impl>/ (see tools/peer_check_shim/README.md):
   - a shim `vllm` package: environment facts only (platform, triton, logger,
     utils), `vllm._custom_ops` whose every op skips the calling test;
   - --impl ours: the op modules the tests import re-export adapters.torch (a name
@@ -42,6 +48,7 @@ TEST_FILES = {
     "prefix": "tests/kernels/attention/test_prefix_prefill.py",
     "lightning": "tests/kernels/attention/test_lightning_attn.py",
     "blocksparse": "tests/kernels/attention/test_blocksparse_attention.py",
+    "unified": "tests/kernels/attention/test_triton_unified_attention.py",
 }
 IMPLS = ("ours", "vllm")
 
@@ -50,6 +57,9 @@ OURS_KEEPS_VLLM = ("vllm/v1/attention/ops/chunked_prefill_paged_decode.py",)
 
 CUSTOM_OP_MARK = "peer-check: vllm._custom_ops."
 OPTIONAL_MARK = "need --optional option to run"
+# a test of something other than the kernel (vLLM's backend class, NVFP4 caches):
+# tools/peer_check_shim/common/peer_check_missing.py
+SCOPE_MARK = "peer-check: out of scope:"
 MISSING_MARK = "MISSING in adapters.torch"
 
 
@@ -59,29 +69,52 @@ MANIFEST = SHIM_SRC / "MANIFEST.json"
 
 
 def load_manifest(peer: Path) -> dict:
-    path = peer / "MANIFEST.json"
-    if not path.exists():
-        raise SystemExit(f"{path} not found: run with --fetch once (needs network) to read "
-                         f"vLLM's files listed in {MANIFEST} into {peer}/vllm_src")
-    return json.loads(path.read_text())
+    """The file list: tools/peer_check_shim/MANIFEST.json (``peer``/MANIFEST.json is
+    the copy --fetch leaves beside the files)."""
+    return json.loads(MANIFEST.read_text())
 
 
-def fetch(peer: Path) -> None:
-    """Download each file of MANIFEST at its commit from GitHub into
-    ``peer``/vllm_src and check its sha256; writes ``peer``/MANIFEST.json."""
-    import urllib.request
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def fetch(peer: Path, from_dir: Path | None = None) -> int:
+    """Put each file of MANIFEST into ``peer``/vllm_src: files already there with the
+    manifest's sha256 are kept; the others are read from GitHub at their commit, or
+    from ``from_dir``/<path> when given, and written only when their sha256 matches.
+    Writes ``peer``/MANIFEST.json; returns the number of files still missing."""
     manifest = json.loads(MANIFEST.read_text())
+    missing = 0
     for entry in manifest["files"]:
-        url = f"https://raw.githubusercontent.com/{entry['repo']}/{entry['commit']}/{entry['path']}"
-        with urllib.request.urlopen(url, timeout=60) as r:  # noqa: S310 (a fixed https host)
-            data = r.read()
-        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise SystemExit(f"sha256 of {url} differs from the manifest's")
         dst = peer / "vllm_src" / entry["path"]
+        if dst.exists() and _digest(dst.read_bytes()) == entry["sha256"]:
+            print(f"peer_check: have {entry['path']} @ {entry['commit'][:8]}")
+            continue
+        if from_dir is not None:
+            src = from_dir / entry["path"]
+            data = src.read_bytes() if src.exists() else None
+            where = str(src)
+        else:
+            import urllib.request
+            where = (f"https://raw.githubusercontent.com/{entry['repo']}/{entry['commit']}/"
+                     f"{entry['path']}")
+            try:
+                with urllib.request.urlopen(where, timeout=60) as r:  # noqa: S310 (a fixed https host)
+                    data = r.read()
+            except OSError as e:  # no network: say so per file, keep the others
+                print(f"peer_check: {where}: {e}", file=sys.stderr)
+                data = None
+        if data is None or _digest(data) != entry["sha256"]:
+            print(f"peer_check: {'no' if data is None else 'sha256 differs:'} {where}",
+                  file=sys.stderr)
+            missing += 1
+            continue
         dst.parent.mkdir(parents=True, exist_ok=True)
         dst.write_bytes(data)
-        print(f"peer_check: fetched {entry['path']} @ {entry['commit'][:8]}")
+        print(f"peer_check: fetched {entry['path']} @ {entry['commit'][:8]} from {where}")
+    peer.mkdir(parents=True, exist_ok=True)
     (peer / "MANIFEST.json").write_text(MANIFEST.read_text())
+    return missing
 
 
 def verify_manifest(peer: Path, manifest: dict) -> list[str]:
@@ -118,10 +151,10 @@ def _add_init_files(root: Path) -> None:
             init.write_text('"""peer_check shim package (empty)."""\n')
 
 
-def build_shim(impl: str, peer: Path) -> Path:
-    """(Re)build .peer/shim/<impl>/ and return it."""
+def build_shim(impl: str, peer: Path, root: Path | None = None) -> Path:
+    """(Re)build .peer/shim/<impl>/ (or ``root``) and return it."""
     src = peer / "vllm_src"
-    root = peer / "shim" / impl
+    root = root or peer / "shim" / impl
     if root.exists():
         shutil.rmtree(root)
     root.mkdir(parents=True)
@@ -133,8 +166,9 @@ def build_shim(impl: str, peer: Path) -> Path:
     if impl == "ours":
         _copytree(SHIM_SRC / "ours" / "vllm", root / "vllm")
         for rel in OURS_KEEPS_VLLM:
-            (root / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src / rel, root / rel)
+            if (src / rel).exists():  # else the tests that import it fail to collect
+                (root / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src / rel, root / rel)
     else:
         _copytree(src / "vllm", root / "vllm")
     _copytree(src / "tests", root / "tests")
@@ -204,6 +238,8 @@ def run_file(impl: str, key: str, root: Path, args, log_dir: Path) -> dict:
 def _skip_category(reason: str) -> str:
     if CUSTOM_OP_MARK in reason:
         return "custom_op"
+    if SCOPE_MARK in reason:
+        return "scope"
     if OPTIONAL_MARK in reason:
         return "optional"
     return "other"
@@ -229,7 +265,7 @@ def summarize(results_paths: list[Path], impl: str) -> dict:
                 phases.setdefault(rec["nodeid"], []).append(rec)
     outcomes: dict[str, str] = {}
     counts = dict(passed=0, failed=0, errors=0, skipped=0, skipped_custom_op=0, skipped_optional=0,
-                  skipped_other=0, missing_in_ours=0)
+                  skipped_scope=0, skipped_other=0, missing_in_ours=0)
     failures, skip_reasons = [], {}
     for nodeid, recs in phases.items():
         by = {r["when"]: r for r in recs}
@@ -306,14 +342,16 @@ def print_table(results: dict, collect_only: bool) -> None:
                 print(f"{key:<12} {impl:<5} {r['collected']:>9} {len(r['collect_errors']):>8} {r['rc']:>3}")
         return
     head = (f"{'file':<12} {'impl':<5} {'coll':>5} {'pass':>5} {'fail':>5} {'err':>4} "
-            f"{'skip':>5} {'(cuda-op':>8} {'optional':>8} {'other)':>6} {'missing':>7} {'time_s':>7}")
+            f"{'skip':>5} {'(cuda-op':>8} {'optional':>8} {'scope':>5} {'other)':>6} {'missing':>7} "
+            f"{'time_s':>7}")
     print(head + "\n" + "-" * len(head))
     for key, by_impl in results.items():
         for impl, r in by_impl.items():
             flag = " TIMEOUT" if r["timed_out"] else ""
             print(f"{key:<12} {impl:<5} {r['collected']:>5} {r['passed']:>5} {r['failed']:>5} "
                   f"{r['errors'] + len(r['collect_errors']):>4} {r['skipped']:>5} "
-                  f"{r['skipped_custom_op']:>8} {r['skipped_optional']:>8} {r['skipped_other']:>6} "
+                  f"{r['skipped_custom_op']:>8} {r['skipped_optional']:>8} {r['skipped_scope']:>5} "
+                  f"{r['skipped_other']:>6} "
                   f"{r['missing_in_ours']:>7} {r['duration_s']:>7}{flag}")
 
 
@@ -333,8 +371,12 @@ def main(argv=None) -> int:
     p.add_argument("--peer-dir", default=str(REPO / ".peer"), help="where vLLM's files are (default .peer)")
     p.add_argument("--collect-only", action="store_true", help="only collect (no kernels run)")
     p.add_argument("--fetch", action="store_true",
-                   help="download vLLM's files listed in tools/peer_check_shim/MANIFEST.json "
-                        "(at their commits, sha256-checked) into --peer-dir, then exit")
+                   help="put vLLM's files listed in tools/peer_check_shim/MANIFEST.json (at "
+                        "their commits, sha256-checked) into --peer-dir, then exit: from GitHub, "
+                        "or from --from-dir")
+    p.add_argument("--from-dir", default=None,
+                   help="with --fetch: read the files from DIR/<repository path> (a vLLM "
+                        "checkout, or files obtained another way) instead of GitHub")
     p.add_argument("--keep-failures", type=int, default=200,
                    help="at most this many failures listed per file and impl in the JSON")
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
@@ -347,8 +389,9 @@ def main(argv=None) -> int:
     impls = IMPLS if args.impl == "both" else (args.impl,)
     peer = Path(args.peer_dir).resolve()
     if args.fetch:
-        fetch(peer)
-        return 0
+        return 1 if fetch(peer, Path(args.from_dir).resolve() if args.from_dir else None) else 0
+    if args.from_dir:
+        p.error("--from-dir goes with --fetch")
     manifest = load_manifest(peer)
     problems = verify_manifest(peer, manifest)
     for msg in problems:
@@ -378,6 +421,7 @@ def main(argv=None) -> int:
         vllm_sources=manifest, manifest_problems=problems,
         categories={"skipped_custom_op": f"skip reason contains {CUSTOM_OP_MARK!r}",
                     "skipped_optional": f"skip reason {OPTIONAL_MARK!r} (vLLM's --optional gate)",
+                    "skipped_scope": f"skip reason contains {SCOPE_MARK!r} (not the kernel)",
                     "missing_in_ours": f"failure message contains {MISSING_MARK!r}"},
         results=results, comparison=compare(results) if not args.collect_only else {})
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -387,7 +431,9 @@ def main(argv=None) -> int:
     print(f"\npeer_check: summary -> {out}; logs -> {log_dir}")
     if args.collect_only:
         bad = any(r["collect_errors"] or r["rc"] not in (0,) for by in results.values() for r in by.values())
-        return 1 if bad or problems else 0
+        # a missing file fails the collection of the tests that import it (counted above);
+        # a file that differs from the manifest fails the run
+        return 1 if bad or any(m.startswith("sha256") for m in problems) else 0
     return 0
 
 

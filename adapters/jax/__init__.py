@@ -24,4 +24,7 @@ from ._ops_reshape_and_cache_flash import reshape_and_cache_flash
 
 __all__ += ["reshape_and_cache_flash"]
 
+from ._ops_unified_attention import unified_attention
+
+__all__ += ["unified_attention"]
 from ._ops_example_scale import example_scale  # noqa: E402,F401  (the example op: ADDING_AN_OP.md)

@@ -41,6 +41,29 @@ def _row_sum(x):
 
 
 @triton.jit
+def _softcap2(s, SOFTCAP2: tl.constexpr):
+    """SOFTCAP2 * tanh(s / SOFTCAP2) (scores and cap in log2 units: c * log2(e)),
+    with tanh(x) = 1 - 2 / (exp(2x) + 1): saturates to +-cap, never inf / inf."""
+    e = tl.math.exp2(s * (2.0 * LOG2E / SOFTCAP2))
+    return SOFTCAP2 - (2.0 * SOFTCAP2) / (e + 1.0)
+
+
+@triton.jit
+def _flat_seq(b_start_loc_ptr, j, nseq, TOKENS: tl.constexpr):
+    """The last sequence b < nseq whose first tile slot b_start_loc[b] // TOKENS
+    + b is at most j (binary search; slot 0 belongs to sequence 0)."""
+    lo = j * 0
+    hi = nseq + 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if tl.load(b_start_loc_ptr + mid).to(tl.int32) // TOKENS + mid <= j:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit
 def _tile_runs(lo_key, hi_key, full_lo_key, full_hi_key, BLOCK_N: tl.constexpr):
     """Tile indices [t0, t1) masked, [t1, t2) full, [t2, t3) masked.
 
@@ -101,8 +124,17 @@ def _attend(
     VC_STRIDE_T: tl.constexpr, PREFETCH_IDS: tl.constexpr, OFFS32: tl.constexpr,
     DENSE: tl.constexpr, CAUSAL: tl.constexpr = False, V_PACK: tl.constexpr = 0,
     bt_base=0, BT_PTR: tl.constexpr = False, BLOCK_BYTES: tl.constexpr = 1,
+    causal_rt=1, alibi_base=0, RT_CAUSAL: tl.constexpr = False, SYM_WINDOW: tl.constexpr = False,
+    SOFTCAP2: tl.constexpr = 0.0, ALIBI_MODE: tl.constexpr = 0,
 ):
-    """Online softmax over the key tiles [t_a, t_b) and [t_c, t_d) of one source."""
+    """Online softmax over the key tiles [t_a, t_b) and [t_c, t_d) of one source.
+
+    unified_attention's options (off for context_attention_fwd): RT_CAUSAL, the
+    mask is causal where the runtime flag ``causal_rt`` is set; SYM_WINDOW, the
+    window also bounds keys after the query (|key - query| < window); SOFTCAP2 >
+    0, scores capped (before ALiBi); ALIBI_MODE 1, the bias is slope * (key -
+    alibi_base), 2: -slope * sqrt(query - key) for keys up to the query, else 0
+    (0: slope * (key - query))."""
     m_d = o_d < HEAD_D
     n_first = t_b - t_a
     ids_next = 0
@@ -188,17 +220,28 @@ def _attend(
         else:
             qk = tl.dot(b_q, b_kt)  # [BLOCK_M, BLOCK_D] @ [BLOCK_D, BLOCK_N] -> fp32
         s = qk * qk_scale2
+        if SOFTCAP2 > 0:
+            s = _softcap2(s, SOFTCAP2)
         if HAS_ALIBI or MASKED:
             t_pos = pos_base + o_n
             rel = t_pos[None, :] - p_pos[:, None]  # [BLOCK_M, BLOCK_N] key pos - query pos
             if HAS_ALIBI:
-                s = s + alibi2[:, None] * rel.to(tl.float32)
+                if ALIBI_MODE == 1:
+                    s = s + alibi2[:, None] * (t_pos - alibi_base).to(tl.float32)[None, :]
+                elif ALIBI_MODE == 2:
+                    s = s + alibi2[:, None] * tl.where(rel <= 0, -tl.sqrt_rn(tl.maximum(-rel, 0).to(tl.float32)), 0.0)
+                else:
+                    s = s + alibi2[:, None] * rel.to(tl.float32)
             if MASKED:
                 vis = m_n[None, :]
                 if CAUSAL:
                     vis = vis & (rel <= 0)
+                if RT_CAUSAL:
+                    vis = vis & ((rel <= 0) | (causal_rt == 0))
                 if HAS_WINDOW:
                     vis = vis & (rel > -window)
+                    if SYM_WINDOW:  # no causal row sees a later key anyway
+                        vis = vis & (rel < window)
                 s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, _row_max(s))
         p = tl.math.exp2(s - m_new[:, None])
@@ -253,6 +296,21 @@ def _prefix_prefill_kernel(
     # BT_PTR: b_loc holds device addresses of K cache blocks (0: unused), turned
     # into ids here: (address - k_cache_ptr) // BLOCK_BYTES (bytes per K block)
     BT_PTR: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+    # unified_attention's options (core_kernels/unified_attention/prefill_plan.py),
+    # all off (0 / False) for context_attention_fwd. They need CACHE_NEW, whose
+    # unused k / v pointers then carry the per-sequence causal flags (CAUSAL_FLAGS,
+    # [B]) and q's descale (Q_FP8, 1 element). MIN_Q > 0: sequences with fewer new
+    # tokens exit (another launch has them). SOFTCAP2 > 0: scores capped at
+    # c * log2(e) before ALiBi. ALIBI_MODE: see _attend. CAUSAL_FLAGS: causal per
+    # sequence (IS_CAUSAL is then ignored). SYM_WINDOW: the window of a non-causal
+    # row is symmetric. Q_FP8 1 / 2: q holds e4m3, multiplied in bf16 / fp16.
+    # K/V descales: [B, Hkv] with strides (KS_STRIDE_B, KS_STRIDE_H) /
+    # (VS_STRIDE_B, VS_STRIDE_H); all 0: one scalar. FLAT_GRID: axes 0 and 2 number
+    # slots over the row tiles of all sequences (see the kernel's start).
+    MIN_Q: tl.constexpr, SOFTCAP2: tl.constexpr, ALIBI_MODE: tl.constexpr,
+    CAUSAL_FLAGS: tl.constexpr, SYM_WINDOW: tl.constexpr, Q_FP8: tl.constexpr,
+    KS_STRIDE_B: tl.constexpr, KS_STRIDE_H: tl.constexpr,
+    VS_STRIDE_B: tl.constexpr, VS_STRIDE_H: tl.constexpr, FLAT_GRID: tl.constexpr,
     # NOTE: every tensor stride is a constexpr: a layout constant (fixed per
     # model and cache layout), which the integer policy allows (see
     # core_kernels._triton_utils.jit). As runtime ints they would never be
@@ -272,12 +330,25 @@ def _prefix_prefill_kernel(
     stride_vc_b: tl.constexpr, stride_vc_h: tl.constexpr, stride_vc_d: tl.constexpr,
     VC_STRIDE_T: tl.constexpr,
 ):
-    # heaviest row tiles (the last ones: longest causal range) start first
-    i_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    i_hp = tl.program_id(1)       # PACK query heads i_hp * PACK ... that share one kv head
-    i_b = tl.program_id(2)
-    i_kvh = (i_hp * PACK) // GROUP
     TOKENS: tl.constexpr = BLOCK_M // PACK  # query tokens per program
+    i_hp = tl.program_id(1)       # PACK query heads i_hp * PACK ... that share one kv head
+    i_kvh = (i_hp * PACK) // GROUP
+    if FLAT_GRID:
+        # NOTE: row tile i of sequence b has the slot b_start_loc[b] // TOKENS + b
+        # + i: T // TOKENS + B slots cover every sequence's tiles however the
+        # query lengths vary, where the (max tiles, heads, B) grid of a mixed
+        # batch (one long prefill, many decodes) is mostly idle programs. The
+        # grid is (n0, heads, B) with n0 * B >= the slots (axis 2 gives B);
+        # slots are taken from the last down, n0 of them per head sweep, and
+        # a binary search over b_start_loc finds each slot's sequence.
+        j = (tl.num_programs(0) * tl.num_programs(2) - 1
+             - (tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)))
+        i_b = _flat_seq(b_start_loc_ptr, j, tl.num_programs(2), TOKENS)
+        i_m = j - (tl.load(b_start_loc_ptr + i_b).to(tl.int32) // TOKENS + i_b)
+    else:
+        # heaviest row tiles (the last ones: longest causal range) start first
+        i_m = tl.num_programs(0) - 1 - tl.program_id(0)
+        i_b = tl.program_id(2)
 
     q_start = tl.load(b_start_loc_ptr + i_b).to(tl.int32)
     q_len = tl.load(b_start_loc_ptr + i_b + 1).to(tl.int32) - q_start
@@ -286,8 +357,11 @@ def _prefix_prefill_kernel(
     run = m0 < q_len
     if SKIP_DECODE:
         run = run & (q_len != 1)
+    if MIN_Q > 0:
+        run = run & (q_len >= MIN_Q)
     if run:
-        DOT_TYPE: tl.constexpr = q_ptr.dtype.element_ty
+        DOT_TYPE: tl.constexpr = (q_ptr.dtype.element_ty if Q_FP8 == 0 else
+                                  (tl.float16 if Q_FP8 == 2 else tl.bfloat16))
         FP8_TYPE: tl.constexpr = tl.float8e5 if FP8_E5M2 else tl.float8e4nv
         EVEN_D: tl.constexpr = BLOCK_D == HEAD_D
         window = WINDOW
@@ -306,6 +380,8 @@ def _prefix_prefill_kernel(
         p_q = (q_ptr + rows[:, None] * stride_q_t + o_h[:, None] * stride_q_h
                + o_d[None, :] * stride_q_d)
         b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        if Q_FP8 > 0:
+            b_q = b_q.to(tl.float8e4nv, bitcast=True).to(DOT_TYPE)  # exact
 
         # base-2 softmax: exp(x) = exp2(x * log2(e))
         qk_scale2 = QK_SCALE2
@@ -315,8 +391,20 @@ def _prefix_prefill_kernel(
         v_scale = 1.0
         ctx_scale2 = qk_scale2
         if KV_FP8:
-            ctx_scale2 = qk_scale2 * tl.load(k_scale_ptr).to(tl.float32)
-            v_scale = tl.load(v_scale_ptr).to(tl.float32)
+            if KS_STRIDE_B == 0 and KS_STRIDE_H == 0:
+                ctx_scale2 = qk_scale2 * tl.load(k_scale_ptr).to(tl.float32)
+            else:
+                ctx_scale2 = qk_scale2 * tl.load(k_scale_ptr + i_b * KS_STRIDE_B
+                                                 + i_kvh * KS_STRIDE_H).to(tl.float32)
+            if VS_STRIDE_B == 0 and VS_STRIDE_H == 0:
+                v_scale = tl.load(v_scale_ptr).to(tl.float32)
+            else:
+                v_scale = tl.load(v_scale_ptr + i_b * VS_STRIDE_B + i_kvh * VS_STRIDE_H).to(tl.float32)
+        if Q_FP8 > 0:
+            ctx_scale2 = ctx_scale2 * tl.load(v_ptr).to(tl.float32)  # q's descale
+        causal_rt = 1
+        if CAUSAL_FLAGS:
+            causal_rt = (tl.load(k_ptr + i_b) != 0).to(tl.int32)
         m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
         l_i = tl.full([BLOCK_M], 0.0, tl.float32)
         if HAS_SINKS:
@@ -336,12 +424,18 @@ def _prefix_prefill_kernel(
         hi_c = ctx_len
         full_hi_c = ctx_len
         if CACHE_NEW:  # the new tokens' keys follow the context in the cache
-            if IS_CAUSAL:
+            if CAUSAL_FLAGS:
+                hi_c = tl.where(causal_rt != 0, ctx_len + r_last + 1, ctx_len + q_len)
+                full_hi_c = tl.where(causal_rt != 0, ctx_len + m0 + 1, ctx_len + q_len)
+            elif IS_CAUSAL:
                 hi_c = ctx_len + r_last + 1
                 full_hi_c = ctx_len + m0 + 1
             else:
                 hi_c = ctx_len + q_len
                 full_hi_c = ctx_len + q_len
+            if HAS_WINDOW and SYM_WINDOW:  # keys after the query, inside the window
+                hi_c = tl.minimum(hi_c, ctx_len + r_last + window)
+                full_hi_c = tl.minimum(full_hi_c, ctx_len + m0 + window)
         over = False
         if CACHE_DENSE:
             # the scratch holds ctx_cap tokens per sequence (sized from max_seq_len
@@ -377,8 +471,9 @@ def _prefix_prefill_kernel(
                 b_loc_row, stride_bl_n, stride_kc_b, stride_kc_dx, stride_vc_b, stride_vc_d,
                 True, masked == 0, HAS_WINDOW, HAS_ALIBI, EVEN_D, HEAD_D, BLOCK_N, CACHE_BLOCK,
                 X, ID_RUN, KV_FP8, FP8_TYPE, DOT_TYPE, KC_STRIDE_T, KC_STRIDE_X, VC_STRIDE_T,
-                PREFETCH_IDS, OFFS32, CACHE_DENSE, CACHE_NEW and IS_CAUSAL, V_PACK,
-                bt_base, BT_PTR, BLOCK_BYTES)
+                PREFETCH_IDS, OFFS32, CACHE_DENSE, CACHE_NEW and IS_CAUSAL and not CAUSAL_FLAGS,
+                V_PACK, bt_base, BT_PTR, BLOCK_BYTES, causal_rt, ctx_len, CAUSAL_FLAGS,
+                SYM_WINDOW, SOFTCAP2, ALIBI_MODE)
 
         # ---- new keys (k, v), positions ctx_len .. ctx_len + q_len - 1; causal
         # unless IS_CAUSAL is off (already read from the cache with CACHE_NEW)
@@ -438,6 +533,8 @@ def _prefix_prefill_gather_kernel(
     stride_vc_b: tl.constexpr, stride_vc_h: tl.constexpr, stride_vc_d: tl.constexpr,
     VC_STRIDE_T: tl.constexpr, CACHE_NEW: tl.constexpr, V_PACK: tl.constexpr,
     BT_PTR: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+    # unified_attention: sequences with fewer than MIN_Q new tokens are skipped (0: none)
+    MIN_Q: tl.constexpr,
 ):
     """Copy the visible context of one sequence / kv head, GATHER_N tokens per
     program, from the paged cache into dense [token, D] rows. An fp8 cache is
@@ -461,6 +558,8 @@ def _prefix_prefill_gather_kernel(
     run = (q_len > 0) & (n0 < end) & (n0 + GATHER_N > lo)
     if SKIP_DECODE:
         run = run & (q_len != 1)
+    if MIN_Q > 0:
+        run = run & (q_len >= MIN_Q)
     if run:
         o_n = n0 + tl.arange(0, GATHER_N)
         o_d = tl.arange(0, BLOCK_D)

@@ -162,7 +162,7 @@ def plan_prefix_prefill(target: Target, q, k, v, k_cache, v_cache, b_loc, b_star
     """
     check_config(config, (PrefixPrefillConfig,))
     if config is not None:
-        _check_tiles(config)
+        check_tiles(config)
     problem = _validate(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, output, k_scale,
                         v_scale, alibi_slopes, sinks, fp8_out_scale,
                         as_int("max_input_len", max_input_len, 0),
@@ -183,7 +183,8 @@ def plan_prefix_prefill(target: Target, q, k, v, k_cache, v_cache, b_loc, b_star
     return Plan(buffers, tuple(launches), ("output",))
 
 
-def _check_tiles(config: PrefixPrefillConfig) -> None:
+def check_tiles(config) -> None:
+    """The tile fields of a config (this op's, or unified_attention's prefill config)."""
     pow2 = lambda n: isinstance(n, int) and n >= 1 and n & (n - 1) == 0  # noqa: E731
     if not (pow2(config.block_m) and pow2(config.block_n) and min(config.block_m, config.block_n) >= 16):
         raise ValueError(f"config: block_m and block_n must be powers of two >= 16, got {config}")
@@ -402,16 +403,20 @@ def _check_output(output, fp8_out_scale, output_dtype, q, shape):
 
 
 # ---------------------------------------------------------------- config
-def _rows_and_pack(p: _Problem, config: PrefixPrefillConfig) -> tuple[int, int]:
-    """(BLOCK_M, PACK): the config's rows shrunk for short queries, and how many
-    query heads share a tile."""
+def rows_and_pack(max_q: int, group: int, config) -> tuple[int, int]:
+    """(BLOCK_M, PACK): the config's rows shrunk for queries of at most ``max_q``
+    tokens, and how many of the ``group`` query heads of a kv head share a tile
+    (also unified_attention's prefill path)."""
     # short queries (decode-heavy batches): no point in rows that never exist
-    rows_needed = p.max_input_len * (p.group if config.pack_gqa else 1)
+    rows_needed = max_q * (group if config.pack_gqa else 1)
     block_m = max(16, min(config.block_m, next_pow2(rows_needed)))
     # GQA packing needs whole head groups in a tile (powers of two divide BLOCK_M)
-    g = p.group
-    pack = g if config.pack_gqa and g & (g - 1) == 0 and g <= block_m else 1
+    pack = group if config.pack_gqa and group & (group - 1) == 0 and group <= block_m else 1
     return block_m, pack
+
+
+def _rows_and_pack(p: _Problem, config: PrefixPrefillConfig) -> tuple[int, int]:
+    return rows_and_pack(p.max_input_len, p.group, config)
 
 
 def _choose_config(p: _Problem, config: PrefixPrefillConfig | None):
@@ -462,7 +467,8 @@ def _gather_launch(p: _Problem) -> Launch:
             NUM_KV_HEADS=p.hkv, HAS_WINDOW=p.window > 0, WINDOW=p.window, SKIP_DECODE=p.skip_decode,
             KV_FP8=p.fp8 is not None, FP8_E5M2=p.fp8 == "float8_e5m2",
             **{n: p.strides[n] for n in _CACHE_STRIDES}, CACHE_NEW=p.cache_new, V_PACK=p.v_pack,
-            BT_PTR=p.bt_ptr, BLOCK_BYTES=p.block_bytes if p.bt_ptr else 1),
+            BT_PTR=p.bt_ptr, BLOCK_BYTES=p.block_bytes if p.bt_ptr else 1,
+            MIN_Q=0),  # unified_attention's option (see the kernel)
         num_warps=4, num_stages=1)
 
 
@@ -480,6 +486,12 @@ def _id_run(p: _Problem, config: PrefixPrefillConfig) -> int:
     # (test_gpu_cache_layout_matrix). Without the hint only the x = 1 K tile
     # of that V layout loses its vector loads, so it is dropped there.
     return 1 if p.v_pack == 1 else math.gcd(config.block_n, p.block_size)
+
+
+# unified_attention's options of _prefix_prefill_kernel (see the kernel), all off here
+UNIFIED_OFF = dict(MIN_Q=0, SOFTCAP2=0.0, ALIBI_MODE=0, CAUSAL_FLAGS=False, SYM_WINDOW=False,
+                   Q_FP8=0, KS_STRIDE_B=0, KS_STRIDE_H=0, VS_STRIDE_B=0, VS_STRIDE_H=0,
+                   FLAT_GRID=False)
 
 
 def _attention_launch(p: _Problem, config: PrefixPrefillConfig, pack: int) -> Launch:
@@ -506,7 +518,7 @@ def _attention_launch(p: _Problem, config: PrefixPrefillConfig, pack: int) -> La
             SKIP_DECODE=p.skip_decode, OUT_FP8=p.out_fp8 is not None,
             IS_CAUSAL=p.causal, CACHE_NEW=p.cache_new, V_PACK=p.v_pack,
             BT_PTR=p.bt_ptr, BLOCK_BYTES=p.block_bytes if p.bt_ptr else 1,
-            FP8_MAX=FP8_MAX.get(p.out_fp8, 0.0),
+            **UNIFIED_OFF, FP8_MAX=FP8_MAX.get(p.out_fp8, 0.0),
             **dict(zip(("FP8_MANT_BITS", "FP8_MIN_NORMAL", "FP8_SUBNORMAL_MAGIC"),
                        FP8_ROUNDING.get(p.out_fp8, (0, 0.0, 0.0)))),
             **p.strides),

@@ -6,14 +6,44 @@ Gives the tests what vLLM's own tests/conftest.py gives them, no more:
   - the `kv_cache_factory` fixture name: in vLLM it builds caches for the CUDA
     paged-attention custom-op tests; here those ops cannot exist, so it skips with
     the vllm._custom_ops reason (counted as "custom op").
+  - a fetched test file newer than the fetched kernel file it imports from: the
+    names that kernel file lacks at its commit (ABSENT_AT_COMMIT) become stubs that
+    skip their caller ("out of scope"), so the file's other tests still run.
 Records every test report as JSON lines in $PEER_CHECK_RESULTS for tools/peer_check.py.
 """
+import gc
+import importlib
 import json
 import os
+import sys
 
 import pytest
 
 _OUT = os.environ.get("PEER_CHECK_RESULTS")
+
+# test file -> {module: ((name, why), ...)}: names the test file imports that the
+# fetched module does not define at its manifest commit
+ABSENT_AT_COMMIT = {
+    "test_triton_unified_attention.py": {
+        "vllm.v1.attention.ops.triton_unified_attention": (
+            ("_get_nvfp4_launch_config",
+             "vLLM's NVFP4 launch heuristics, newer than the fetched kernel"),),
+    },
+}
+
+
+def pytest_collect_file(file_path, parent):
+    """Before a test file is imported: stub the names of ABSENT_AT_COMMIT its
+    modules lack (a module that fails to import is left to fail the collection)."""
+    from peer_check_missing import out_of_scope
+    for mod_name, names in ABSENT_AT_COMMIT.get(file_path.name, {}).items():
+        try:
+            mod = importlib.import_module(mod_name)
+        except Exception:  # noqa: BLE001 - the test file's own import reports it
+            continue
+        for name, why in names:
+            if not hasattr(mod, name):
+                setattr(mod, name, out_of_scope(mod_name, name, why))
 
 
 def _emit(record):
@@ -46,6 +76,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "optional" in item.keywords:
             item.add_marker(skip_optional)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    # NOTE: each test's cached GPU memory goes back after it: with --jobs processes side
+    # by side, the allocator caches of vLLM's largest unified-attention cases (533
+    # sequences of 533 tokens) held ~21 GiB per process, and 6 processes ran an 80 GiB
+    # H100 out of memory in 38 of 1917 tests (2026-11-28, --impl vllm)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture

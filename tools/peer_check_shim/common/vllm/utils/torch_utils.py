@@ -31,3 +31,14 @@ def set_random_seed(seed) -> None:
 def is_quantized_kv_cache(kv_cache_dtype: str) -> bool:
     return (kv_cache_dtype.startswith("fp8") or kv_cache_dtype.endswith("per_token_head")
             or kv_cache_dtype.startswith("nvfp4"))
+
+
+def _nvfp4(name):
+    from peer_check_missing import out_of_scope
+    return out_of_scope("vllm.utils.torch_utils", name,
+                        "NVFP4 KV caches are not in the fetched kernel's commit nor in our op")
+
+
+# the NVFP4 cache layout helpers vLLM's unified-attention tests import
+nvfp4_kv_cache_full_dim = _nvfp4("nvfp4_kv_cache_full_dim")
+nvfp4_kv_cache_split_views = _nvfp4("nvfp4_kv_cache_split_views")

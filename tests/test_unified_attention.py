@@ -880,3 +880,33 @@ def test_gpu_head_size_plans_build(d, bs, hq, hkv):
                                   A((b, blocks), "int32"), max_seqlen_q=300, max_seqlen_k=2001,
                                   softmax_scale=d ** -0.5)
     assert plan.launches
+
+
+def test_jax_gpu_executor_feeds_unwritten_zero_buffers(monkeypatch):
+    """A decode-only plan's first launch reads the zero-initialised "out" that no
+    launch wrote yet (it keeps rows of no sequence): the compiled-kernel path of
+    the JAX executor must pass zeros (a KeyError on the H200 before, 2026-11-28).
+    jax-triton is replaced by a recorder: no GPU needed."""
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+    from adapters.jax import _executor
+    c = make_case([(1, 40), (1, 7)], 4, 2, 32, 16, "float32")
+    names = ("q", "k", "v", "cu_seqlens_q", "seqused_k", "block_table")
+    infos = {n: ArrayInfo.contiguous(c[n].shape, str(c[n].dtype)) for n in names}
+    plan = plan_unified_attention(Target("cuda", 90, 132), **infos, max_seqlen_q=1,
+                                  max_seqlen_k=c["max_seqlen_k"], softmax_scale=0.2)
+    first = plan.launches[0]
+    assert "out" in first.args and "out" in plan.buffers  # the case this test is about
+    seen = []
+
+    class Recorder:
+        @staticmethod
+        def triton_call(*args, out_shape, **kw):
+            seen.append([a for a in args if hasattr(a, "shape")])
+            return [jnp.full(s.shape, np.nan, s.dtype) for s in out_shape]
+
+    monkeypatch.setattr(_executor, "_jax_triton", lambda: Recorder)
+    _executor.run_plan(plan, {n: jnp.asarray(c[n]) for n in names}, Target("cuda", 90, 132))
+    pos = [a for a in first.args if not isinstance(a, _executor.Scalar)].index("out")
+    fed = np.asarray(seen[0][pos])
+    assert fed.shape == plan.buffers["out"].shape and not fed.any()

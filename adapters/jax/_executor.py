@@ -151,6 +151,8 @@ def run_plan(plan: Plan, arrays: dict, tgt: Target, runtime: dict | None = None)
                 in_args.append(_scalar(a, runtime))
             else:
                 array_pos.setdefault(a, sum(not isinstance(x, (int, np.float32)) for x in in_args))
+                if a not in env:  # a zero-initialised buffer read before any launch wrote it
+                    env[a] = _unwritten(plan, a)
                 in_args.append(env[a])
         aliases = {array_pos[o]: i for i, o in enumerate(launch.outputs) if o in array_pos}
         zeroed = tuple(i for i, o in enumerate(launch.outputs)

@@ -20,4 +20,7 @@ __all__ += ["lightning_attention", "lightning_attention_backward", "linear_decod
 from ._ops_lightning_varlen import lightning_attention_varlen, lightning_attention_varlen_backward
 
 __all__ += ["lightning_attention_varlen", "lightning_attention_varlen_backward"]
+from ._ops_lightning_cp import lightning_attention_cp
+
+__all__ += ["lightning_attention_cp"]
 from ._ops_example_scale import example_scale  # noqa: E402,F401  (the example op: ADDING_AN_OP.md)

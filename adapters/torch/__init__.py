@@ -14,6 +14,9 @@ __all__ += ["lightning_attention", "linear_decode_forward_triton"]
 from ._ops_lightning_varlen import lightning_attention_varlen
 
 __all__ += ["lightning_attention_varlen"]
+from ._ops_lightning_cp import lightning_attention_cp
+
+__all__ += ["lightning_attention_cp"]
 
 from ._ops_example_scale import example_scale  # noqa: E402,F401  (the example op: ADDING_AN_OP.md)
 from . import _dtensor

@@ -40,25 +40,41 @@ def _err(got, want) -> float:
 
 
 # ---------------------------------------------------------------- JAX (one process, both GPUs)
-def jax_rows(shapes=SHAPES, dtypes=DTYPES, reps=20):
+def jax_rows(shapes=SHAPES, dtypes=DTYPES, reps=20, entry="jit"):
+    """``entry``: "jit" (NamedSharding of the sequence: _spmd's split, whose backward
+    recomputes the shard states) or "shard_map" (lightning_attention_cp, which keeps them)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from adapters.jax import lightning_attention
+    from adapters.jax import lightning_attention, lightning_attention_cp
+    try:
+        from jax import shard_map
+    except ImportError:
+        from jax.experimental.shard_map import shard_map
     from benchmarks import timing
 
     devs = jax.devices()[:2]
     mesh = Mesh(np.array(devs), ("sp",))
     seq, rep = NamedSharding(mesh, P(None, None, "sp")), NamedSharding(mesh, P())
 
-    def fwd(q, k, v, ed):
+    def whole(q, k, v, ed):
         return lightning_attention(q, k, v, ed, output_final_state_only=True)
 
-    def fwd_bwd(q, k, v, ed, do, dfin):
-        out, vjp = jax.vjp(lambda q, k, v: fwd(q, k, v, ed), q, k, v)
-        return out + vjp((do, dfin))
+    def in_shard_map(q, k, v, ed):
+        s = P(None, None, "sp")
+        return shard_map(lambda q, k, v, ed: lightning_attention_cp(q, k, v, ed, axis_name="sp"), mesh=mesh,
+                         in_specs=(s, s, s, P()), out_specs=(s, P()))(q, k, v, ed)
+
+    def make(call):
+        def fwd(q, k, v, ed):
+            return call(q, k, v, ed)
+
+        def fwd_bwd(q, k, v, ed, do, dfin):
+            out, vjp = jax.vjp(lambda q, k, v: call(q, k, v, ed), q, k, v)
+            return out + vjp((do, dfin))
+        return fwd, fwd_bwd
 
     rows = []
     for b, h, n in shapes:
@@ -76,20 +92,22 @@ def jax_rows(shapes=SHAPES, dtypes=DTYPES, reps=20):
                     dfin = jax.random.normal(keys[5], (b, h, D, E), jnp.float32)
                 one = (q, k, v, ed, do, dfin)
                 two = tuple(jax.device_put(x, s) for x, s in zip(one, (seq, seq, seq, rep, seq, rep)))
-                row = dict(name=name, framework="jax", devices=[str(d) for d in devs])
-                for what, fn, nargs in (("fwd", fwd, 4), ("fwd_bwd", fwd_bwd, 6)):
-                    f = jax.jit(fn)
-                    want = f(*one[:nargs])
+                row = dict(name=name, framework="jax", entry=entry, devices=[str(d) for d in devs])
+                fns = zip(("fwd", "fwd_bwd"), make(whole), make(in_shard_map if entry == "shard_map" else whole),
+                          (4, 6))
+                for what, fn1, fn2, nargs in fns:
+                    f1, f = jax.jit(fn1), jax.jit(fn2)
+                    want = f1(*one[:nargs])
                     got = f(*two[:nargs])
                     again = f(*two[:nargs])
                     row[f"{what}_err"] = max(_err(g, w) for g, w in zip(got, want))
                     row[f"{what}_bitwise_rerun"] = all(bool(jnp.array_equal(a, g)) for a, g in zip(again, got))
                     row[f"{what}_out_sharding"] = str(got[0].sharding.spec)
                     hlo = f.lower(*two[:nargs]).compile().as_text()
-                    gathers = re.findall(r"= (\S+) all-gather\(", hlo)
-                    row[f"{what}_hlo_all_gathers"] = gathers
-                    row[f"{what}_hlo_all_reduces"] = re.findall(r"= (\S+) all-reduce\(", hlo)
-                    t1 = timing.pipelined_time([lambda: f(*one[:nargs])], "jax", reps=reps, trials=3)
+                    # (the GPU's HLO holds async all-gather-start / -done pairs)
+                    row[f"{what}_hlo_all_gathers"] = re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo)
+                    row[f"{what}_hlo_all_reduces"] = re.findall(r"= (\S+) all-reduce(?:-start)?\(", hlo)
+                    t1 = timing.pipelined_time([lambda: f1(*one[:nargs])], "jax", reps=reps, trials=3)
                     t2 = timing.pipelined_time([lambda: f(*two[:nargs])], "jax", reps=reps, trials=3)
                     row.update({f"{what}_1gpu_us": t1 * 1e6, f"{what}_2gpu_us": t2 * 1e6,
                                 f"{what}_speedup": t1 / t2})
@@ -197,7 +215,7 @@ def torch_rows(shapes=SHAPES, dtypes=DTYPES, reps=20):
 
 
 # ---------------------------------------------------------------- the shard-state kernel's configs
-def sweep_rows(n=32768, h=64):
+def sweep_rows(n=32768, h=64, configs=None, dtypes=DTYPES, prefill=True):
     import torch
 
     from adapters.torch._executor import info, run_plan, target_for
@@ -206,7 +224,7 @@ def sweep_rows(n=32768, h=64):
     from core_kernels.lightning_attention.cp_plan import LightningCPConfig, plan_lightning_cp_state
 
     rows = []
-    for dtype in DTYPES:
+    for dtype in dtypes:
         tdt = getattr(torch, dtype)
         q, k = (torch.randn(1, h, n, D, device="cuda") * 0.3).to(tdt), (torch.randn(1, h, n, D, device="cuda") * 0.3).to(tdt)
         v = torch.randn(1, h, n, E, device="cuda").to(tdt)
@@ -214,22 +232,21 @@ def sweep_rows(n=32768, h=64):
         tgt = target_for(q.device)
         nbytes = 2 * k.numel() * k.element_size()
         ref = None
-        configs = [(32, 64, 3), (64, 64, 3), (64, 128, 2), (32, 128, 3)] + ([(128, 64, 2)] if dtype == "bfloat16" else [])
-        for bt, be, stages in configs:
-                        cfg = LightningCPConfig(block_t=bt, block_e=be, num_stages=stages)
-                        row = dict(name=f"cp-state B1 H{h} N{n} {dtype}", config=str(cfg))
-                        try:
-                            plan = plan_lightning_cp_state(tgt, info(k), info(v), info(ed), config=cfg)
-                            tensors = dict(k=k, v=v, ed=ed)
-                            out = run_plan(plan, tensors)["state"]
-                            ref = out if ref is None else ref
-                            t = timing.kernel_time_torch(lambda: run_plan(plan, tensors), rep_ms=100)
-                            row.update(us=t * 1e6, tbps=nbytes / t / 1e12, rel_to_first=_err(out, ref))
-                        except Exception as e:
-                            row["error"] = repr(e)[:300]
-                        print(json.dumps(row), flush=True)
-                        rows.append(row)
-        for hist in (None, torch.zeros(1, h, D, E, device="cuda")):
+        for bt, be, stages, split in configs or [(32, 64, 3, True), (64, 64, 3, True), (64, 128, 2, True)]:
+            cfg = LightningCPConfig(block_t=bt, block_e=be, num_stages=stages, split_state=split)
+            row = dict(name=f"cp-state B1 H{h} N{n} {dtype}", config=str(cfg))
+            try:
+                plan = plan_lightning_cp_state(tgt, info(k), info(v), info(ed), config=cfg)
+                tensors = dict(k=k, v=v, ed=ed)
+                out = run_plan(plan, tensors)["state"]
+                ref = out if ref is None else ref
+                t = timing.kernel_time_torch(lambda: run_plan(plan, tensors), rep_ms=100)
+                row.update(us=t * 1e6, tbps=nbytes / t / 1e12, rel_to_first=_err(out, ref))
+            except Exception as e:
+                row["error"] = repr(e)[:300]
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        for hist in (None, torch.zeros(1, h, D, E, device="cuda")) if prefill else ():
             plan = plan_lightning_attention(tgt, info(q), info(k), info(v), info(ed),
                                             None if hist is None else info(hist), output_final_state_only=True)
             tensors = dict(q=q, k=k, v=v, ed=ed, kv_history=hist)
@@ -246,8 +263,13 @@ def main():
     out = sys.argv[2] if len(sys.argv) > 2 else None
     if mode == "jax":
         rows = jax_rows()
+    elif mode == "jax_shard_map":
+        rows = jax_rows(shapes=SHAPES[1:], entry="shard_map") + jax_rows(shapes=SHAPES[:1], dtypes=DTYPES[:1])
     elif mode == "sweep":
         rows = sweep_rows()
+    elif mode == "sweep_fp32":
+        rows = sweep_rows(configs=[(64, 128, 2, True), (32, 64, 3, False), (64, 64, 3, False), (32, 128, 2, False),
+                                   (64, 128, 2, False), (64, 128, 3, True)], dtypes=["float32"], prefill=False)
     elif mode == "torch":
         import torch
         import torch.distributed as dist

@@ -102,8 +102,10 @@ def _lightning_cp_scan_kernel(
     pre = tl.full([BLOCK], 0.0, tl.float32)
     if HAS_PREFIX:
         stop = tl.load(stop_ptr)
-    step_decay = tl.exp(-s * step_len.to(tl.float32))
-    last_decay = tl.exp(-s * last_len.to(tl.float32))
+    # "* 1.0", not ".to(tl.float32)": a length of 1 arrives as a Python int (both
+    # launchers compile a runtime integer equal to 1 as a constant)
+    step_decay = tl.exp(-s * (step_len * 1.0))
+    last_decay = tl.exp(-s * (last_len * 1.0))
     for j in range(0, num_steps):
         if REVERSE:
             idx = num_steps - 1 - j
@@ -116,4 +118,4 @@ def _lightning_cp_scan_kernel(
         acc = acc * tl.where(j == num_steps - 1, last_decay, step_decay) + x
     if HAS_PREFIX:
         tl.store(prefix_ptr + i_bh * size_de + o, pre, mask=m)
-    tl.store(total_ptr + i_bh * size_de + o, acc * tl.exp(-s * tail_len.to(tl.float32)), mask=m)
+    tl.store(total_ptr + i_bh * size_de + o, acc * tl.exp(-s * (tail_len * 1.0)), mask=m)

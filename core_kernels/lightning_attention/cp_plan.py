@@ -45,13 +45,16 @@ class LightningCPConfig:
     """The shard-state kernel (cp_kernels._lightning_cp_partial_kernel); None
     fields are the planner's choice. block_t: tokens per step; block_e: E-tile;
     num_splits: programs along the sequence per (b, h, E-tile), whose partial
-    states a second launch sums in order; dot_precision as LightningTritonConfig's."""
+    states a second launch sums in order; dot_precision as LightningTritonConfig's;
+    split_state: fp32/fp16 inputs with "tf32" on the GPU multiply k^T v as bf16
+    hi/lo pairs (as the prefill kernel) instead of one tf32 product."""
     block_t: int | None = None
     block_e: int | None = None
     num_splits: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
     dot_precision: str = DEFAULT_DOT_PRECISION
+    split_state: bool = True
 
     def __post_init__(self):
         if self.dot_precision not in DOT_PRECISIONS:
@@ -112,7 +115,7 @@ def _state_config(target: Target, p: _State, override) -> LightningCPConfig:
     splits = o.num_splits or cdiv(PROGRAMS_PER_SM * target.num_sms, max(1, programs))
     splits = max(1, min(splits, cdiv(p.n, block_t)))
     return LightningCPConfig(block_t, block_e, splits, o.num_warps or NUM_WARPS,
-                             o.num_stages or NUM_STAGES, o.dot_precision)
+                             o.num_stages or NUM_STAGES, o.dot_precision, o.split_state)
 
 
 STATE_RESULTS = ("state",)
@@ -157,7 +160,7 @@ def plan_lightning_cp_state(target: Target, k: ArrayInfo, v: ArrayInfo, ed: Arra
                         EVEN_D=even_d, EVEN_E=even_e, DOT_BF16=dot_bf16,
                         # the prefill kernel's state product (prefill_plan.py's SPLIT_STATE)
                         SPLIT_STATE=(not dot_bf16 and even_d and even_e and c.dot_precision == "tf32"
-                                     and not target.interpret),
+                                     and c.split_state and not target.interpret),
                         DOT_PRECISION=c.dot_precision, OFFS_64=not offs_32, REVERSE=reverse),
         num_warps=c.num_warps, num_stages=1)
     size = p.d * p.e

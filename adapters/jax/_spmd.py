@@ -31,6 +31,13 @@ function ends with ``call(AXES, impl, arrays, **static)``:
     (fewer heads, fewer sequences, fewer tokens) and no collective is emitted
     for the op; results keep the operands' sharding.
 
+A label the op reads across can still be split where the op passes ``split=(label,
+split_impl)`` (lightning prefill's "sequence": context parallelism): operands sharded
+along it stay sharded, and the lower function calls ``split_impl`` on the local shards
+with the mesh axes of that label, which it reduces over with XLA's collectives. On the
+interpreter such a lower function may run several plans: ``call`` registers
+SPLIT_SLOTS host-callback trampolines for it (the NOTE in _host_callback).
+
 GQA: query heads and kv heads are two factors. Query head h reads kv head
 h // (Hq / Hkv), so S-way head shards are local when the kv heads are split
 the same S ways (Hkv a multiple of S) or, when S is a multiple of Hkv, by the

@@ -27,6 +27,27 @@ outputs" (o_t += lambda^(i+1) q_t S_in(r)): that correction reads q and o and
 writes o again (3 arrays of the shard), where step 1 reads k and v (2); and
 the prefill from S_in(r) gives outputs and end state in the kernels' own
 rounding, with no extra pass in the backward either.
+
+NOTE: measured on two H200s (nvidia-h200-x2), 2026-11-28, kernels of 545e0aa, B=1,
+H=64, D=E=128, final state, one-GPU call vs the two-GPU split in the same process
+(benchmarks/results/2026-11-28-lightning-cp/; JAX jit over a NamedSharding of N,
+torch lightning_attention_cp over NCCL), speed-up and max error relative to the
+one-GPU output's largest value:
+- N=65536 forward: fp32 3156 -> 2859 us (1.10x JAX, 1.10x torch), bf16 1284 -> 1102 us
+  (1.17x JAX; torch 1.29x); forward + backward: fp32 12637 -> 9003 us (1.40x JAX,
+  1.45x torch), bf16 5922 -> 3761 us (1.57x JAX, 1.48x torch). Error 9e-4 (fp32: the
+  GPU's fp32 products are tf32), 5e-3 (bf16 gradients); every result bit-identical
+  run to run; the output stays sharded.
+- N=4096: slower on two GPUs (forward 0.28-0.74x, forward + backward 0.44-1.0x): each
+  shard's 2048 tokens are ~100 us of kernels, below the collective's and the extra
+  launches' latency.
+The bound: per device the shard-state pass (bf16 285 us, fp32 1105 us at N=32768)
+plus the shard's prefill (727 / 1554 us) against the one-GPU prefill (1284 / 3156 us):
+at most 1.27x / 1.19x for the forward with this scheme (any scheme that must know
+S_in(r) before its outputs reads the earlier shards' k and v once more, or corrects
+the outputs at 3 arrays' traffic), while forward + backward (the backward is about
+three prefills) reaches 1.4-1.6x. The jit path's backward computes the shard states
+again (~ one more shard-state pass); lightning_attention_cp inside shard_map keeps them.
 """
 from __future__ import annotations
 
@@ -65,11 +86,19 @@ class LightningCPConfig:
                 raise ValueError(f"config: {name} must be a power of two >= 16, got {value}")
 
 
-# NOTE: placeholders until measured on the GPU (see the NOTE of _state_config).
-BLOCK_T = {"bfloat16": 64, "float16": 32, "float32": 32}
-BLOCK_E = 64
+# NOTE: the shard-state kernel alone, H200 (nvidia-h200-x2), 2026-11-28, kernels of
+# 545e0aa, B=1, H=64, N=32768 (one shard of N=65536 on two GPUs), D=E=128, 8 warps,
+# splits for ~4 programs per SM (benchmarks/experiments/exp_lightning_cp.py sweep;
+# benchmarks/results/2026-11-28-lightning-cp/sweep.json), (block_t, block_e, stages):
+# bf16 (32, 64, 3) 333 us, (64, 64, 3) 285 us (3.77 TB/s of k and v), (64, 128, 2)
+# 352 us, (128, 64, 2) 329 us; fp32 (bf16 hi/lo state product) (32, 64, 3) 1231 us,
+# (64, 64, 3) 1195 us, (64, 128, 2) 1105 us (1.94 TB/s: bound by the split products'
+# conversions, not by memory). The prefill of the same shard from a starting state: bf16
+# 727 us, fp32 1554 us. fp16 (the fp32 path's products) was not measured: fp32's choice.
+BLOCK_T = {"bfloat16": 64, "float16": 64, "float32": 64}
+BLOCK_E = {"bfloat16": 64, "float16": 128, "float32": 128}
 NUM_WARPS = 8
-NUM_STAGES = 3
+NUM_STAGES = {"bfloat16": 3, "float16": 2, "float32": 2}
 # programs per SM the splits aim at (several: each program is one stream of loads)
 PROGRAMS_PER_SM = 4
 SCAN_BLOCK = 1024  # elements of the [D, E] states per scan program
@@ -110,12 +139,12 @@ def _validate_state(k, v, ed) -> _State:
 def _state_config(target: Target, p: _State, override) -> LightningCPConfig:
     o = override or LightningCPConfig()
     block_t = o.block_t or min(BLOCK_T[p.dtype], max(16, next_pow2(p.n)))
-    block_e = o.block_e or min(BLOCK_E, max(16, next_pow2(p.e)))
+    block_e = o.block_e or min(BLOCK_E[p.dtype], max(16, next_pow2(p.e)))
     programs = p.b * p.h * cdiv(p.e, block_e)
     splits = o.num_splits or cdiv(PROGRAMS_PER_SM * target.num_sms, max(1, programs))
     splits = max(1, min(splits, cdiv(p.n, block_t)))
     return LightningCPConfig(block_t, block_e, splits, o.num_warps or NUM_WARPS,
-                             o.num_stages or NUM_STAGES, o.dot_precision, o.split_state)
+                             o.num_stages or NUM_STAGES[p.dtype], o.dot_precision, o.split_state)
 
 
 STATE_RESULTS = ("state",)

@@ -4,7 +4,8 @@ for bit across them), then the whole scheme on two CPU "devices": JAX (forced ho
 devices: shard_map, and jax.jit over a NamedSharding of the sequence) and torch
 (two gloo ranks: lightning_attention_cp and DTensor Shard(2)), each against the
 one-device call (fp32 tolerance), run to run bit for bit, with one all-gather of
-shard states as the only collective."""
+shard states as the only collective. Calls the split cannot serve (per-block states,
+packed sequences over token shards) are gathered and exact."""
 import os
 import pathlib
 import random
@@ -229,6 +230,13 @@ assert "all-reduce" not in gathers(gf), "an all-reduce without the decay's gradi
 per_block = jax.jit(lambda q, k, v, ed: aj.lightning_attention(q, k, v, ed, 8))
 got = per_block(*placed[:4])
 assert same(got, aj.lightning_attention(q, k, v, ed, 8)), "per-block states with a sharded sequence"
+# packed sequences split over the token shards (one spans the boundary): gathered, exact
+pq, pk, pv = (g.standard_normal((22, H, x)).astype(np.float32) for x in (D, D, E))
+cu = np.array([0, 5, 17, 22], np.int32)
+tok = NamedSharding(mesh, P("sp"))
+fn = jax.jit(lambda q, k, v, ed, cu: aj.lightning_attention_varlen(q, k, v, ed, cu, block_size=8))
+got = fn(*[jax.device_put(x, tok) for x in (pq, pk, pv)], ed, cu)
+assert same(got, aj.lightning_attention_varlen(pq, pk, pv, ed, cu, block_size=8)), "varlen over token shards"
 print("ok jit", flush=True)
 """
 
@@ -315,6 +323,16 @@ for i, (x, w) in enumerate(zip(dts, want_grads)):
 o, kv = at.lightning_attention(*[d.detach() for d in dts[:4]], 8)
 ref_o, ref_kv = at.lightning_attention(q, k, v, ed, 8)
 assert torch.equal(o.full_tensor(), ref_o) and torch.equal(kv.full_tensor(), ref_kv)
+# packed sequences split over the token shards (one spans the boundary): gathered, exact
+pq, pk, pv = (torch.randn(22, H, x, generator=g) for x in (D, D, E))
+cu = torch.tensor([0, 5, 17, 22], dtype=torch.int32)
+S0 = Shard(0)
+o, kv = at.lightning_attention_varlen(*[DTensor.from_local(t.chunk(world)[rank].contiguous(), mesh, [S0],
+                                                           run_check=False) for t in (pq, pk, pv)],
+                                      DTensor.from_local(ed, mesh, [R], run_check=False),
+                                      DTensor.from_local(cu, mesh, [R], run_check=False), block_size=8)
+ref_o, ref_kv = at.lightning_attention_varlen(pq, pk, pv, ed, cu, block_size=8)
+assert torch.equal(o.full_tensor(), ref_o) and torch.equal(kv.full_tensor(), ref_kv), "varlen over token shards"
 dist.destroy_process_group()
 print("done", flush=True)
 '''

@@ -97,6 +97,15 @@ def _lightning_backward():
                 grad_kv=None, need_grad_ed=True)
 
 
+def _cp_state():
+    return dict(k=_f32(1, 2, 8, 16), v=_f32(1, 2, 8, 16, seed=1), ed=_i([0.1, 0.5], np.float32), reverse=False)
+
+
+def _cp_compose():
+    return dict(states=_f32(2, 1, 2, 16, 16), ed=_i([0.1, 0.5], np.float32), rank=_i([1]),
+                init=_f32(1, 2, 16, 16, seed=1), shard_len=8, reverse=False)
+
+
 def _varlen_backward():
     d = _varlen(False)
     cu = d["cu_seqlens"]
@@ -164,6 +173,8 @@ EXAMPLES = {
     "lightning_attention_varlen_cache": (lambda: _varlen(True), "v"),
     "lightning_attention_varlen_history": (_varlen_history, "kv_history"),
     "mask_empty_context_lse": (_mask, None),   # its only float input is written in place
+    "lightning_cp_state": (_cp_state, "k"),   # inside lightning_attention_cp's autograd.Function
+    "lightning_cp_compose": (_cp_compose, "states"),
 }
 
 

@@ -35,9 +35,10 @@ COMPILED = {
     "merge_attn_states": (15, {"_merge_attn_states_kernel", "_merge_attn_states_bwd_kernel",
                                "_mask_empty_context_lse_kernel"}),
     "prefix_prefill": (10, {"_prefix_prefill_kernel", "_prefix_prefill_gather_kernel"}),
-    "lightning_attention": (36, {"_lightning_prefill_kernel", "_gluon_prefill_kernel", "_gluon_prefill_tf32_kernel",
+    "lightning_attention": (44, {"_lightning_prefill_kernel", "_gluon_prefill_kernel", "_gluon_prefill_tf32_kernel",
                                  "_lightning_decode_kernel", "_lightning_bwd_dq_kernel", "_lightning_bwd_dkv_kernel",
-                                 "_lightning_bwd_decay_kernel", "_state_map_kernel"}),
+                                 "_lightning_bwd_decay_kernel", "_state_map_kernel",
+                                 "_lightning_cp_partial_kernel", "_lightning_cp_scan_kernel"}),
     "lightning_attention_varlen": (27, {"_lightning_varlen_kernel", "_gluon_varlen_kernel",
                                         "_gluon_varlen_tf32_kernel", "_lightning_bwd_dq_kernel",
                                         "_lightning_bwd_dkv_kernel", "_lightning_bwd_decay_kernel",
@@ -239,6 +240,18 @@ def lightning_attention_cases():
     yield ("backward scans fp32: final state only, no history or state gradient", hopper,
            plan_lightning_attention_backward, backward(1, 4, 512, "float32", True, False, False),
            dict(output_final_state_only=True))
+    # context parallelism (cp_plan.py): shard states (split, summed in order) and their scan
+    from core_kernels.lightning_attention.cp_plan import plan_lightning_cp_compose, plan_lightning_cp_state
+    for dtype, d, e, reverse in (("float32", 128, 128, False), ("bfloat16", 128, 128, True),
+                                 ("float16", 48, 80, False)):
+        a = prefill(1, 64, 4096, d, e, dtype)
+        yield (f"context-parallel shard state {dtype} D{d} E{e}{', reverse' if reverse else ''}", hopper,
+               plan_lightning_cp_state, dict(k=a["k"], v=a["v"], ed=a["ed"]), dict(reverse=reverse))
+    for init, reverse in ((_ai((1, 64, 128, 128), "bfloat16"), False), (None, True)):
+        yield (f"context-parallel scan{', init' if init else ''}{', reverse' if reverse else ''}", hopper,
+               plan_lightning_cp_compose, dict(states=_ai((4, 1, 64, 128, 128), "float32"),
+                                               ed=_ai((64,), "float32"), rank=_ai((1,), "int32"), init=init),
+               dict(shard_len=1024, reverse=reverse))
 
 
 def lightning_attention_varlen_cases():

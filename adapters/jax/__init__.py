@@ -27,4 +27,7 @@ __all__ += ["reshape_and_cache_flash"]
 from ._ops_unified_attention import unified_attention
 
 __all__ += ["unified_attention"]
+from ._ops_lightning_cp import lightning_attention_cp
+
+__all__ += ["lightning_attention_cp"]
 from ._ops_example_scale import example_scale  # noqa: E402,F401  (the example op: ADDING_AN_OP.md)

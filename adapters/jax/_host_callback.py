@@ -68,20 +68,22 @@ _LOCAL = threading.local()
 
 
 @contextlib.contextmanager
-def active(slot):
-    prev = getattr(_LOCAL, "slot", None)
-    _LOCAL.slot = slot
+def active(slots):
+    """Inside, host callbacks go through ``slots`` (a Slot or a sequence of them:
+    one per plan the lower function runs), in order."""
+    prev = getattr(_LOCAL, "slots", None)
+    _LOCAL.slots = [slots] if isinstance(slots, Slot) else list(slots or ())
     try:
         yield
     finally:
-        _LOCAL.slot = prev
+        _LOCAL.slots = prev
 
 
 def host_call(host, result_structs, args):
     """The executor's host callback: ``jax.pure_callback`` except inside a
     partitioned lower function on the interpreter (see the NOTE above)."""
-    slot = getattr(_LOCAL, "slot", None)
-    if slot is None:
+    slots = getattr(_LOCAL, "slots", None)
+    if not slots:
         return jax.pure_callback(host, result_structs, *args, vmap_method="sequential")
-    _LOCAL.slot = None                  # one launch per slot
+    slot = slots.pop(0)                 # one launch per slot
     return tuple(_host_p.bind(*args, host=host, slot=slot, results=tuple(result_structs)))

@@ -16,7 +16,7 @@ from core_kernels.lightning_attention import (check_slot_ids, plan_lightning_att
 
 from core_kernels.lightning_attention.op import LIGHTNING_ATTENTION, LIGHTNING_ATTENTION_BACKWARD, LINEAR_DECODE
 
-from . import _spmd
+from . import _ops_lightning_cp, _spmd
 from ._vmap import (decay_prepare, generic_rule, offset_ids, pinned, stack_along, unstack_along, unsupported,
                     vmappable)
 from ._executor import infos, run_plan, target
@@ -70,7 +70,8 @@ def lightning_attention(q, k, v, ed, block_size=256, kv_history=None,
     if kv_history is not None:
         arrays["kv_history"] = kv_history
     return _spmd.call(LIGHTNING_ATTENTION, _prefill, arrays, block_size=as_int("block_size", block_size),
-                      output_final_state_only=output_final_state_only, config=config)
+                      output_final_state_only=output_final_state_only, config=config,
+                      split=("sequence", _ops_lightning_cp.prefill_split) if output_final_state_only else None)
 
 
 def _prefill(arrays, *, block_size, output_final_state_only, config):
@@ -98,7 +99,8 @@ def lightning_attention_backward(q, k, v, ed, kv_history, kv, grad_output, grad_
         arrays["grad_kv"] = grad_kv
     return _spmd.call(LIGHTNING_ATTENTION_BACKWARD, _backward, arrays,
                       block_size=as_int("block_size", block_size),
-                      output_final_state_only=output_final_state_only, need_grad_ed=bool(need_grad_ed))
+                      output_final_state_only=output_final_state_only, need_grad_ed=bool(need_grad_ed),
+                      split=("sequence", _ops_lightning_cp.backward_split) if output_final_state_only else None)
 
 
 def _backward(arrays, *, block_size, output_final_state_only, need_grad_ed):

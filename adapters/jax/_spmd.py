@@ -31,6 +31,13 @@ function ends with ``call(AXES, impl, arrays, **static)``:
     (fewer heads, fewer sequences, fewer tokens) and no collective is emitted
     for the op; results keep the operands' sharding.
 
+A label the op reads across can still be split where the op passes ``split=(label,
+split_impl)`` (lightning prefill's "sequence": context parallelism): operands sharded
+along it stay sharded, and the lower function calls ``split_impl`` on the local shards
+with the mesh axes of that label, which it reduces over with XLA's collectives. On the
+interpreter such a lower function may run several plans: ``call`` registers
+SPLIT_SLOTS host-callback trampolines for it (the NOTE in _host_callback).
+
 GQA: query heads and kv heads are two factors. Query head h reads kv head
 h // (Hq / Hkv), so S-way head shards are local when the kv heads are split
 the same S ways (Hkv a multiple of S) or, when S is a multiple of Hkv, by the
@@ -85,7 +92,9 @@ class _Spec:
     sizes: tuple = ()                    # (label, extent) pairs
     labels: tuple = ()                   # labels the call may shard along
     kwargs: tuple = ()                   # static options of impl, (name, value) pairs
-    slot: object = None                  # interpreter: the outer program's host callback
+    slot: tuple = ()                     # interpreter: the outer program's host callbacks
+    split: tuple = ()                    # (label, split impl name): see call's ``split``
+    split_impl: Callable = dataclasses.field(default=None, compare=False, hash=False)
 
 
 def _resolve(labels, shape, sizes: dict, allowed) -> tuple:
@@ -107,19 +116,34 @@ def _partitionable(arrays: dict) -> bool:
     return jax.device_count() > 1 and any(isinstance(x, jax.core.Tracer) for x in arrays.values())
 
 
-def call(axes: OpAxes, impl: Callable, arrays: dict, *, direct: Optional[Callable] = None, **static):
+# host callbacks a split implementation may make (interpreter): one per plan it runs
+SPLIT_SLOTS = 8
+
+
+def call(axes: OpAxes, impl: Callable, arrays: dict, *, direct: Optional[Callable] = None,
+         split: Optional[tuple] = None, **static):
     """``impl(arrays, **static)`` (a tuple of results, named as the first
     entries of ``axes.outputs``), partitioned along ``axes`` under a
     multi-device ``jax.jit`` (module docstring). ``arrays``: name -> array,
     None entries dropped; ``static`` values must be hashable. ``direct``: an
     equivalent zero-argument call used when nothing is partitioned (e.g. one
-    reusing a plan the op already made for validation)."""
+    reusing a plan the op already made for validation).
+
+    ``split``: optional ``(label, split_impl)``, a label the op is not
+    independent along (a scan's sequence) but can still be computed split:
+    ``split_impl(arrays, axis_names=..., **static)`` computes the results of
+    the local shards, split along ``label`` over the mesh axes ``axis_names``,
+    with XLA's collectives over them (context parallelism). Operands sharded
+    along it then stay sharded, as the results carrying the label; without
+    ``split`` such a sharding is gathered."""
     arrays = {n: x for n, x in arrays.items() if x is not None}
     if not _partitionable(arrays):
         return impl(arrays, **static) if direct is None else direct()
     present = tuple(arrays)
     allowed = [lab for lab in axes.independent if axes.independent_along(lab, present)]
     allowed += [axes.groups[lab] for lab in allowed if lab in axes.groups]
+    if split is not None:
+        allowed.append(split[0])
     sizes = {}
     for name in axes.inputs:              # a label's extent: the first exact-rank input carrying it
         x = arrays.get(name)
@@ -133,13 +157,18 @@ def call(axes: OpAxes, impl: Callable, arrays: dict, *, direct: Optional[Callabl
         raise AssertionError(f"{axes.name}: arrays {unknown} are not described in its OpAxes")
     if _interpreted():
         first = names[0]
-        slot = Slot()
-        arrays = dict(arrays, **{first: register_p.bind(arrays[first], slot=slot)})
+        slot = tuple(Slot() for _ in range(1 if split is None else SPLIT_SLOTS))
+        x = arrays[first]
+        for one in slot:
+            x = register_p.bind(x, slot=one)
+        arrays = dict(arrays, **{first: x})
     else:
-        slot = None
+        slot = ()
     spec = _Spec(axes, impl, (axes.name, getattr(impl, "__qualname__", repr(impl))), names,
                  tuple(_resolve(axes.inputs[n], arrays[n].shape, sizes, allowed) for n in names),
-                 tuple(sorted(sizes.items())), tuple(allowed), tuple(sorted(static.items())), slot)
+                 tuple(sorted(sizes.items())), tuple(allowed), tuple(sorted(static.items())), slot,
+                 () if split is None else (split[0], getattr(split[1], "__qualname__", repr(split[1]))),
+                 None if split is None else split[1])
     return tuple(_partitioned(spec, *(arrays[n] for n in names)))
 
 
@@ -234,8 +263,13 @@ def _partition(spec, mesh, arg_shapes, result_shape):
     result_shardings = tuple(_sharding(mesh, d, label_axes)
                              for d in _result_dims(spec, _shapes(result_shape)))
 
+    split_axes = label_axes.get(spec.split[0]) if spec.split else None
+
     def lower(*operands):
         with active(spec.slot):
+            if split_axes:
+                return tuple(spec.split_impl(dict(zip(spec.names, operands)), axis_names=split_axes,
+                                             **dict(spec.kwargs)))
             return _run(spec, *operands)
     return mesh, lower, result_shardings, arg_shardings
 

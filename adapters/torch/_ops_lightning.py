@@ -13,6 +13,7 @@ from core_kernels.lightning_attention import (check_slot_ids, plan_lightning_att
                                               prefill_state_shape)
 from core_kernels.lightning_attention.op import LIGHTNING_ATTENTION, LIGHTNING_ATTENTION_BACKWARD, LINEAR_DECODE
 
+from . import _ops_lightning_cp
 from ._executor import CallMemo, execute, planned, run_plan
 from ._index_validation import check_indices, index_validation
 from ._register import custom_op
@@ -138,6 +139,10 @@ def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: t
 
     See docs/ops/lightning_attention.md for the recurrence, numerics and tuning.
     """
+    if type(q) is not torch.Tensor and _ops_lightning_cp.sequence_sharded(q):  # DTensor Shard(2): context parallel
+        result = _ops_lightning_cp.dtensor_call(q, k, v, ed, block_size, kv_history, output_final_state_only, config)
+        if result is not None:
+            return result
     tensors, scalars = (q, k, v, ed, kv_history), (block_size, output_final_state_only, config)
     env = _PREFILL_MEMO.lookup(tensors, scalars, False)
     if env is not None:

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 from ..op_axes import OpAxes
 
-PUBLIC = ("lightning_attention", "linear_decode_forward_triton", "lightning_attention_varlen")
+PUBLIC = ("lightning_attention", "linear_decode_forward_triton", "lightning_attention_varlen",
+          "lightning_attention_cp")
 
 LIGHTNING_ATTENTION = OpAxes(
     "lightning_attention",
-    inputs={"q": ("batch", "heads", None, None), "k": ("batch", "heads", None, None),
-            "v": ("batch", "heads", None, None), "ed": ("heads",),
+    # "sequence": read across (a scan), but split with a state exchange where an
+    # adapter passes its context-parallel implementation (adapters/*/_ops_lightning_cp.py)
+    inputs={"q": ("batch", "heads", "sequence", None), "k": ("batch", "heads", "sequence", None),
+            "v": ("batch", "heads", "sequence", None), "ed": ("heads",),
             "kv_history": ("batch", "heads", None, None)},
-    outputs={"output": ("batch", "heads", None, None),
+    outputs={"output": ("batch", "heads", "sequence", None),
              "kv": ("batch", "heads", None, None, None)},   # [B, H, D, E] when final only
     independent=("batch", "heads"),
     fold=("batch", "heads"),     # heads when ed differs between the examples
@@ -21,10 +24,10 @@ LIGHTNING_ATTENTION = OpAxes(
 LIGHTNING_ATTENTION_BACKWARD = OpAxes(
     "lightning_attention_backward",
     inputs={**LIGHTNING_ATTENTION.inputs, "kv": ("batch", "heads", None, None, None),
-            "grad_output": ("batch", "heads", None, None),
+            "grad_output": ("batch", "heads", "sequence", None),
             "grad_kv": ("batch", "heads", None, None, None)},
-    outputs={"grad_q": ("batch", "heads", None, None), "grad_k": ("batch", "heads", None, None),
-             "grad_v": ("batch", "heads", None, None), "grad_kv_history": ("batch", "heads", None, None),
+    outputs={"grad_q": ("batch", "heads", "sequence", None), "grad_k": ("batch", "heads", "sequence", None),
+             "grad_v": ("batch", "heads", "sequence", None), "grad_kv_history": ("batch", "heads", None, None),
              "grad_ed": ("heads",)},
     independent=("heads",),      # grad_ed sums over the batch
     fold=("heads",),
@@ -75,4 +78,23 @@ LIGHTNING_VARLEN_BACKWARD = OpAxes(
     independent=("heads",),
     fold=("heads",),
     unbatchable=("cu_seqlens",),
+)
+
+# context parallelism (cp_plan.py): a shard's state sum, and the scan over the gathered ones
+LIGHTNING_CP_STATE = OpAxes(
+    "lightning_cp_state",
+    inputs={"k": ("batch", "heads", None, None), "v": ("batch", "heads", None, None), "ed": ("heads",)},
+    outputs={"state": ("batch", "heads", None, None)},
+    independent=("batch", "heads"),
+    fold=("batch", "heads"),
+)
+
+LIGHTNING_CP_COMPOSE = OpAxes(
+    "lightning_cp_compose",
+    inputs={"states": (None, "batch", "heads", None, None), "ed": ("heads",), "rank": (None,),
+            "init": ("batch", "heads", None, None)},
+    outputs={"prefix": ("batch", "heads", None, None), "total": ("batch", "heads", None, None)},
+    independent=("batch", "heads"),
+    fold=("batch", "heads"),
+    unbatchable=("rank",),
 )

@@ -27,8 +27,9 @@ def _schema(name):
 
 
 def _args(name, values: dict) -> list:
-    """Positional arguments of op ``name`` from ``values`` by schema name (absent: None)."""
-    return [values.get(a.name) for a in _schema(name)]
+    """Positional arguments of op ``name`` from ``values`` by schema name (absent: the
+    schema's default, else None)."""
+    return [values.get(a.name, a.default_value if a.has_default_value() else None) for a in _schema(name)]
 
 
 def _dummy(name, *, grad=True, inference=()):

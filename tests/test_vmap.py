@@ -66,6 +66,30 @@ def _blocksparse(q, k, v, cu, crow, col):
                                                 max_seqlen=32)
 
 
+def _packings_example(seed):
+    """Two sequences packed differently per example (21 tokens), decode queries too."""
+    lens = [12, 9] if seed % 2 else [5, 16]
+    q, k, v, cu_k, _ = make_batch(lens, lens, 4, 2, 16, "float32", seed)
+    return q, k, v, cu_k, *(np.asarray(x) for x in _LAYOUT), q[:2]
+
+
+def _blocksparse_packings(q, k, v, cu, crow, col, q_decode):
+    """Prefill (cu_seqlens_q = cu_seqlens_k) and decode (one query per sequence)."""
+    opts = dict(block_size=16, max_seqlen=32)
+    return (aj.blocksparse_flash_attn_varlen_fwd(q, k, v, cu, cu, 0.25, (crow, col), **opts),
+            aj.blocksparse_flash_attn_varlen_fwd(q_decode, k, v, cu, None, 0.25, (crow, col), **opts))
+
+
+def _blocksparse_grads(q, k, v, cu, crow, col, q_decode):
+    """(output, dq, dk, dv): the LSE forward and the backward."""
+    def loss(q, k, v):
+        out = aj.blocksparse_flash_attn_varlen_fwd(q, k, v, cu, cu, 0.25, (crow, col), block_size=16,
+                                                   max_seqlen=32)
+        return (out ** 2).sum(), out
+    grads, out = jax.grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+    return (out, *grads)
+
+
 def _context_example(seed):
     lens = [(3, 10), (2, 5)] if seed % 2 else [(1, 12), (4, 3)]
     case = make_case(lens, 2, 1, 16, 8, 8, "float32", seed=seed)
@@ -100,8 +124,22 @@ CASES = {
     "varlen": (lambda q, k, v, ed, cu, cache, slots: aj.lightning_attention_varlen(
         q, k, v, ed, cu, kv_cache=cache, slot_idx=slots), _varlen_example),
     "blocksparse": (_blocksparse, _blocksparse_example),
+    "packings": (_blocksparse_packings, _packings_example),
+    "packings_grad": (_blocksparse_grads, _packings_example),
     "context": (_context, _context_example),
     "unified": (_unified, _unified_example),
+    # arguments one launch takes once (a scale), per-head values with index data
+    # batched: one launch per example
+    "merge_scale": (lambda po, pl, so, sl, s: aj.merge_attn_states(po, pl, so, sl, output_scale=s),
+                    lambda seed: make_inputs(5, 2, 16, "float32", seed)
+                    + (np.float32(rng(seed).uniform(0.5, 2.0, (1,))),)),
+    "context_alibi": (lambda *a: aj.context_attention_fwd(*a[:8], max_input_len=4, alibi_slopes=a[8]),
+                      lambda seed: _context_example(seed)[:8] + (rng(seed).uniform(0.1, 1.0, 2).astype(np.float32),)),
+    "varlen_ed": (lambda q, k, v, ed, cu: aj.lightning_attention_varlen(q, k, v, ed, cu),
+                  lambda seed: _varlen_example(seed)[:5]),
+    "unified_descale": (lambda *a: aj.unified_attention(*a[:6], max_seqlen_q=4, max_seqlen_k=13, softmax_scale=0.3,
+                                                        k_descale=0.5, v_descale=0.5, q_descale=a[6]),
+                        lambda seed: _unified_example(seed)[:6] + (np.float32(rng(seed).uniform(0.5, 2.0, (1,))),)),
 }
 
 # (case, in_axes): a non-zero axis and mixed batched / unbatched sets for every op;
@@ -124,6 +162,19 @@ COMBOS = [
     ("context", (None, 0, None, 0, None, 0, 0, 0, 1)),             # index data batched: tokens
     ("unified", (1, None, None, None, None, None, None, None)),     # q alone: tokens, one shared cache
     ("unified", (None, 0, 1, 0, None, 0, 0, 1)),     # cache, tables, descales batched: blocks offset
+    ("decode", (0, None, 3, 1, 0, 0)),                   # slot_idx and slope_rate: heads over the named states
+    ("decode", (None, None, None, None, 0, 0)),
+    ("packings", (0, None, 0, 0, None, None, 1)),        # cu_seqlens batched: tokens
+    ("packings", (None, None, None, 0, None, None, None)),
+    ("packings_grad", (None, 0, 0, 0, None, None, None)),  # the LSE forward and the backward: tokens
+]
+# what no axis folds: one launch per example
+LOOPED = [
+    ("merge_scale", (None, 0, None, None, 0)),
+    ("context_alibi", (None, 0, None, 0, None, 0, 0, 0, 0)),
+    ("packings", (0, None, None, 0, 0, 0, None)),         # cu_seqlens and the layout batched
+    ("varlen_ed", (None, 0, None, 0, 0)),
+    ("unified_descale", (0, None, None, None, None, None, 0)),
 ]
 
 
@@ -167,7 +218,7 @@ def _launches(fn, example_args) -> int:
 
 
 JIT_COMBOS = [COMBOS[1], COMBOS[2], COMBOS[4], COMBOS[6], COMBOS[8], COMBOS[10], COMBOS[12], COMBOS[14],
-              COMBOS[16]]
+              COMBOS[16], COMBOS[17], COMBOS[19]]
 
 
 @pytest.mark.parametrize("name,in_axes", JIT_COMBOS, ids=lambda v: str(v).replace(" ", ""))
@@ -218,32 +269,19 @@ def test_keywords_static_args_and_docstrings_survive_the_wrapping():
         q, k, v, ed, 8, kvh, True)))
 
 
-@pytest.mark.parametrize("name,in_axes,arg", [
-    ("merge", "output_scale", "output_scale"),
-    ("decode", (0, None, None, None, 0, 0), "slope_rate"),
-    ("context", (0, 0, 0, 0, 0, 0, 0, 0, None), "alibi_slopes"),
-    ("blocksparse", (0, 0, 0, 0, None, None), "cu_seqlens_k"),
-    ("unified", (0, None, None, None, None, None, None, None), "q_descale"),
-])
-def test_unsupported_batching_names_the_argument(name, in_axes, arg):
+@pytest.mark.parametrize("name,in_axes", LOOPED, ids=lambda v: str(v).replace(" ", ""))
+def test_what_no_axis_folds_runs_one_launch_per_example(name, in_axes):
+    """Every argument may be batched: what cannot fold runs per example (a loop of
+    launches under jit), bitwise the per-example calls."""
     fn, example = CASES[name]
-    if name == "merge":
-        fn = lambda po, pl, so, sl, s: aj.merge_attn_states(po, pl, so, sl, output_scale=s)  # noqa: E731
-        args = make_inputs(5, 2, 16, "float32") + (np.ones((V, 1), np.float32),)
-        in_axes = (None, None, None, None, 0)
-    elif name == "unified":
-        fn = lambda q, *a: aj.unified_attention(q, *a[:5], max_seqlen_q=4, max_seqlen_k=13,  # noqa: E731
-                                                softmax_scale=0.3, k_descale=0.5, v_descale=0.5,
-                                                q_descale=a[5])
-        example = _unified_example(0)
-        args = (np.stack([example[0]] * V),) + example[1:6] + (np.ones((V, 1), np.float32),)
-        in_axes = (0, None, None, None, None, None, 0)
-    elif name == "context":
-        fn = lambda *a: aj.context_attention_fwd(*a[:8], max_input_len=4, alibi_slopes=a[8])  # noqa: E731
-        args, _ = _inputs(example, in_axes, V, 0)
-        args = args[:8] + (np.ones((V, 2), np.float32),)
-        in_axes = in_axes[:8] + (0,)
-    else:
-        args, _ = _inputs(example, in_axes, V, 0)
-    with pytest.raises(NotImplementedError, match=arg):
-        jax.vmap(fn, in_axes=in_axes)(*map(jnp.asarray, args))
+    args, per = _inputs(example, in_axes, V, _seed())
+    args = tuple(map(jnp.asarray, args))
+    _assert_equal(jax.vmap(fn, in_axes=in_axes)(*args), _stacked(fn, per))
+    hlo = jax.jit(jax.vmap(fn, in_axes=in_axes)).lower(*args).as_text()
+    assert "while" in hlo and hlo.count("custom_call") == _launches(fn, per[0])
+
+
+def test_no_vmap_refusal_is_left():
+    """No rule refuses a batched argument (issue 44): the refusal helper is gone."""
+    import adapters.jax._vmap as vm
+    assert not hasattr(vm, "unsupported")

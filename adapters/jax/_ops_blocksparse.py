@@ -17,14 +17,15 @@ from core_kernels.blocksparse_attention.op import (BLOCKSPARSE_VARLEN, BLOCKSPAR
                                                    BLOCKSPARSE_VARLEN_LSE)
 
 from . import _spmd
-from ._vmap import generic_rule, pinned, tile, unsupported, vmappable
+from ._vmap import (generic_rule, looped, per_example, pinned, rebase_offsets, stack_along, tile, unstack_along,
+                    vmappable)
 from ._executor import infos, run_plan, target
 from ._index_validation import check_indices, index_validation
 
 
 def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_scale, sparse_layout,
                                       *, block_size=64, q_block_size=None, max_seqlen=None, config=None,
-                                      validate_indices=None):
+                                      validate_indices=None, batch_invariant=False):
     """Causal block-sparse attention over packed (varlen) sequences.
 
     For sequence i the queries are the last q_len of its k_len positions (q_len = k_len:
@@ -54,12 +55,17 @@ def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_sc
             the launch (one host transfer; ValueError naming the argument; traced
             arrays: ValueError), False never, None follows TANDEM_VALIDATE_INDICES
             (docs/index_validation.md).
+        batch_invariant: True makes each (sequence, head) row's result independent of
+            the other sequences and heads of the call and of the GPU's size (static).
+            Only decode-only batches change: the GQA-packed kernel whenever query
+            heads share a KV head, and key splits from the row's bound (pass one
+            max_seqlen to calls that must agree).
 
     Returns:
         [Tq, Hq, D] in q's dtype.
 
-    Transforms: ``jax.jit``, ``jax.vmap`` (one launch; a batched cu_seqlens_k/q raises
-    NotImplementedError), ``jax.grad`` (custom VJP over q, k, v: deterministic
+    Transforms: ``jax.jit``, ``jax.vmap`` (one launch: heads, or tokens with a batched
+    cu_seqlens_k/q; one per example with the layout batched too), ``jax.grad`` (custom VJP over q, k, v: deterministic
     backward kernels, gradients in q's dtype; a decode ``config`` raises ValueError),
     ``NamedSharding`` over heads and ``shard_map``, ``jax.export`` on a GPU
     (docs/jax_export.md). On the CPU the kernels run under Triton's interpreter.
@@ -78,6 +84,7 @@ def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_sc
     arrays = _arrays(q, k, v, cu_seqlens_k, cu_seqlens_q, sparse_layout, block_size, max_seqlen,
                      validate_indices)
     return _spmd.call(BLOCKSPARSE_VARLEN, _blocksparse, arrays, config=config,
+                      batch_invariant=bool(batch_invariant),
                       **_options(sm_scale, block_size, q_block_size, max_seqlen))[0]
 
 
@@ -163,18 +170,18 @@ def with_vjp(forward, forward_lse, backward):
     @functools.wraps(forward)
     def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_scale, sparse_layout,
                                           *, block_size=64, q_block_size=None, max_seqlen=None,
-                                          config=None, validate_indices=None):
+                                          config=None, validate_indices=None, batch_invariant=False):
         if not any(isinstance(x, jax.core.Tracer) for x in (q, k, v)):
             return forward(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_scale, sparse_layout,
                            block_size=block_size, q_block_size=q_block_size, max_seqlen=max_seqlen,
-                           config=config, validate_indices=validate_indices)
+                           config=config, validate_indices=validate_indices, batch_invariant=batch_invariant)
         opts = dict(block_size=block_size, q_block_size=q_block_size, max_seqlen=max_seqlen)
 
         # the index arrays travel as primal arguments (never closed over: they may be traced)
         @jax.custom_vjp
         def attn(q, k, v, cu_k, cu_q, crow, col):
             return forward(q, k, v, cu_k, cu_q, sm_scale, (crow, col), config=config,
-                           validate_indices=validate_indices, **opts)
+                           validate_indices=validate_indices, batch_invariant=batch_invariant, **opts)
 
         def attn_fwd(q, k, v, cu_k, cu_q, crow, col):
             if config is not None and not isinstance(config, BlocksparsePrefillConfig):
@@ -197,9 +204,11 @@ def with_vjp(forward, forward_lse, backward):
 
 
 # ---------------------------------------------------------------- jax.vmap: one launch (see _vmap)
-# - blocksparse_flash_attn_varlen_fwd: heads (a one-head layout stays shared when
-# unbatched, else it is broadcast to every query head). Batched cu_seqlens:
-# NotImplementedError.
+# - blocksparse_flash_attn_varlen_fwd (and its LSE form and backward): heads (a
+# one-head layout stays shared when unbatched, else it is broadcast to every
+# query head). Batched cu_seqlens_k / cu_seqlens_q: tokens (_tokens_rule), the
+# examples' sequences one after another; with the layout batched too, one launch
+# per example (_vmap.looped).
 
 
 def _blocksparse_config(tgt, infos, kw):
@@ -212,7 +221,8 @@ def _blocksparse_config(tgt, infos, kw):
                          sm_scale=None if sm is None else float(sm),
                          block_size=as_int("block_size", kw.get("block_size", 64)),
                          q_block_size=None if qb is None else as_int("q_block_size", qb),
-                         max_seqlen=None if ms is None else as_int("max_seqlen", ms))
+                         max_seqlen=None if ms is None else as_int("max_seqlen", ms),
+                         batch_invariant=bool(kw.get("batch_invariant", False)))
 
 
 def _blocksparse_prepare(size, batched, arrays, label):
@@ -230,31 +240,56 @@ def _blocksparse_prepare(size, batched, arrays, label):
     return arrays, (), batched | {"crow", "col"}
 
 
-def _blocksparse_train_rule(axes):
-    """The LSE forward and the backward: heads, as the forward (their configs do
-    not depend on the head count: nothing to pin)."""
-    return generic_rule(axes.name, axes, _blocksparse_prepare)
+_CU = {"cu_seqlens_k": "k", "cu_seqlens_q": "q"}  # the offsets and the array whose tokens they count
 
 
-def _blocksparse_rule(size, batched, arrays, static, call):
-    axes = BLOCKSPARSE_VARLEN
-    for n in axes.unbatchable:
-        if n in batched:
-            raise unsupported(axes.name, n, "the examples are folded into the heads, which share "
-                               "the sequence boundaries")
-    return generic_rule(axes.name, axes, _blocksparse_prepare,
-                        pinned(_blocksparse_config))(size, batched, arrays, static, call)
+def _tokens_rule(size, batched, arrays, static, call, pin=None):
+    """Batched cu_seqlens: q-token arrays ([Tq, ...]: q, output, lse, grad_output)
+    and k-token arrays (k, v) stacked example-major along their tokens, the
+    offsets re-based by v * T (each sequence is computed on its own: bitwise the
+    per-example calls), the layout shared; results unstacked along the tokens.
+    Without cu_seqlens_q the folded batch stays decode-only (Tq = B) or a full
+    prefill (Tq = Tk), as each example."""
+    if batched & {"crow", "col"}:
+        return looped(size, batched, arrays, static, call)
+    kwargs = dict(static) if pin is None else pin(dict(static), per_example(arrays, batched))
+    folded = {}
+    for n, x in arrays.items():
+        if x is None or n in ("crow", "col"):
+            folded[n] = x
+        elif n in _CU:
+            folded[n] = rebase_offsets(x, n in batched, size, arrays[_CU[n]].shape[-3])
+        else:
+            folded[n] = stack_along(x, n in batched, size, 0)
+    results = call(**folded, **kwargs)
+    if not isinstance(results, (tuple, list)):
+        return unstack_along(results, size, 0)
+    return tuple(unstack_along(y, size, 0) for y in results)
+
+
+def _rule(axes, pin=None):
+    """Heads (generic), or tokens where an offsets array is batched."""
+    heads = generic_rule(axes.name, axes, _blocksparse_prepare, pin)
+
+    def rule(size, batched, arrays, static, call):
+        if batched & set(_CU):
+            return _tokens_rule(size, batched, arrays, static, call, pin)
+        return heads(size, batched, arrays, static, call)
+    return rule
+
+
+# the LSE forward and the backward: their configs do not depend on the batch: nothing to pin
+_blocksparse_rule = _rule(BLOCKSPARSE_VARLEN, pinned(_blocksparse_config))
 
 
 # ---------------------------------------------------------------- the public functions
 # each with its custom_vmap rule (vmappable) and, where it has a backward, its custom_vjp
 _LAYOUT = {"sparse_layout": ("crow", "col")}  # vmap: the layout's arrays, batched separately
 blocksparse_flash_attn_varlen_fwd_lse = vmappable(
-    blocksparse_flash_attn_varlen_fwd_lse, BLOCKSPARSE_VARLEN_LSE,
-    _blocksparse_train_rule(BLOCKSPARSE_VARLEN_LSE), _LAYOUT)
+    blocksparse_flash_attn_varlen_fwd_lse, BLOCKSPARSE_VARLEN_LSE, _rule(BLOCKSPARSE_VARLEN_LSE), _LAYOUT)
 blocksparse_flash_attn_varlen_backward = vmappable(
     blocksparse_flash_attn_varlen_backward, BLOCKSPARSE_VARLEN_BACKWARD,
-    _blocksparse_train_rule(BLOCKSPARSE_VARLEN_BACKWARD), _LAYOUT)
+    _rule(BLOCKSPARSE_VARLEN_BACKWARD), _LAYOUT)
 blocksparse_flash_attn_varlen_fwd = with_vjp(
     vmappable(blocksparse_flash_attn_varlen_fwd, BLOCKSPARSE_VARLEN, _blocksparse_rule, _LAYOUT),
     blocksparse_flash_attn_varlen_fwd_lse, blocksparse_flash_attn_varlen_backward)

@@ -17,14 +17,13 @@ from core_kernels.lightning_attention import (check_slot_ids, plan_lightning_att
 from core_kernels.lightning_attention.op import LIGHTNING_ATTENTION, LIGHTNING_ATTENTION_BACKWARD, LINEAR_DECODE
 
 from . import _ops_lightning_cp, _spmd
-from ._vmap import (decay_prepare, generic_rule, offset_ids, pinned, stack_along, unstack_along, unsupported,
-                    vmappable)
+from ._vmap import decay_prepare, generic_rule, offset_ids, pinned, stack_along, tile, unstack_along, vmappable
 from ._executor import infos, run_plan, target
 from ._index_validation import check_indices, index_validation
 
 
 def lightning_attention(q, k, v, ed, block_size=256, kv_history=None,
-                        output_final_state_only=False, *, config=None):
+                        output_final_state_only=False, *, config=None, batch_invariant=False):
     """Linear attention with per-head decay over a whole sequence (prefill).
 
     S_t = exp(-ed[h]) * S_{t-1} + k_t^T v_t (S_{-1} = kv_history or 0), o_t = q_t S_t.
@@ -43,6 +42,11 @@ def lightning_attention(q, k, v, ed, block_size=256, kv_history=None,
         config: optional ``LightningTritonConfig`` (forces the Triton kernel) or
             ``LightningGluonConfig`` (forces the Gluon kernels) overriding the
             planner's choice (static).
+        batch_invariant: True makes each (b, h) row's result, and its gradients,
+            independent of which other rows share the call and of the GPU's size
+            (static): H heads in one call equal two calls of H/2, bit for bit, and
+            a sharded run equals an unsharded one. Segments every 8192 tokens
+            instead of by the grid: slower where few rows share a GPU.
     Returns:
         (output [B, H, N, E] in q's dtype, kv float32 [B, H, NB + 1, D, E] with
         NB = ceil(N / block_size), kv[:, :, i] the state before token
@@ -71,19 +75,21 @@ def lightning_attention(q, k, v, ed, block_size=256, kv_history=None,
         arrays["kv_history"] = kv_history
     return _spmd.call(LIGHTNING_ATTENTION, _prefill, arrays, block_size=as_int("block_size", block_size),
                       output_final_state_only=output_final_state_only, config=config,
+                      batch_invariant=bool(batch_invariant),
                       split=("sequence", _ops_lightning_cp.prefill_split) if output_final_state_only else None)
 
 
-def _prefill(arrays, *, block_size, output_final_state_only, config):
+def _prefill(arrays, *, block_size, output_final_state_only, config, batch_invariant):
     tgt = target(arrays)
     plan = plan_lightning_attention(tgt, **infos(arrays, "q", "k", "v", "ed", "kv_history"),
-                                    block_size=block_size,
-                                    output_final_state_only=output_final_state_only, config=config)
+                                    block_size=block_size, output_final_state_only=output_final_state_only,
+                                    config=config, batch_invariant=batch_invariant)
     return run_plan(plan, arrays, tgt)
 
 
 def lightning_attention_backward(q, k, v, ed, kv_history, kv, grad_output, grad_kv, *,
-                                 block_size=256, output_final_state_only=False, need_grad_ed=True):
+                                 block_size=256, output_final_state_only=False, need_grad_ed=True,
+                                 batch_invariant=False):
     """Gradients of :func:`lightning_attention`: (dq, dk, dv, d kv_history float32
     [B, H, D, E] (zeros without kv_history), d ed float32 [H] (zeros unless
     ``need_grad_ed``)) from the forward's inputs, its returned states ``kv``
@@ -91,7 +97,7 @@ def lightning_attention_backward(q, k, v, ed, kv_history, kv, grad_output, grad_
     torch adapter's backward (bitwise the same). Under jax.grad the decay's
     gradient is computed only where ed is differentiated (the custom VJP's
     symbolic zeros tell). Batched by jax.vmap (heads) and partitioned over
-    heads, as the forward."""
+    heads, as the forward. ``batch_invariant``: as the forward's."""
     arrays = dict(q=q, k=k, v=v, ed=ed, kv=kv, grad_output=grad_output)
     if kv_history is not None:
         arrays["kv_history"] = kv_history
@@ -100,14 +106,16 @@ def lightning_attention_backward(q, k, v, ed, kv_history, kv, grad_output, grad_
     return _spmd.call(LIGHTNING_ATTENTION_BACKWARD, _backward, arrays,
                       block_size=as_int("block_size", block_size),
                       output_final_state_only=output_final_state_only, need_grad_ed=bool(need_grad_ed),
+                      batch_invariant=bool(batch_invariant),
                       split=("sequence", _ops_lightning_cp.backward_split) if output_final_state_only else None)
 
 
-def _backward(arrays, *, block_size, output_final_state_only, need_grad_ed):
+def _backward(arrays, *, block_size, output_final_state_only, need_grad_ed, batch_invariant):
     tgt = target(arrays)
     plan = plan_lightning_attention_backward(
         tgt, **infos(arrays, "q", "k", "v", "ed", "kv_history", "kv", "grad_output", "grad_kv"),
-        block_size=block_size, output_final_state_only=output_final_state_only, need_grad_ed=need_grad_ed)
+        block_size=block_size, output_final_state_only=output_final_state_only, need_grad_ed=need_grad_ed,
+        batch_invariant=batch_invariant)
     return run_plan(plan, arrays, tgt)
 
 
@@ -128,15 +136,17 @@ def with_vjp(forward, backward):
     transformation (no traced array) it is ``forward`` itself."""
     @functools.wraps(forward)
     def lightning_attention(q, k, v, ed, block_size=256, kv_history=None,
-                            output_final_state_only=False, *, config=None):
+                            output_final_state_only=False, *, config=None, batch_invariant=False):
         primals = (q, k, v, ed) + (() if kv_history is None else (kv_history,))
         if not any(isinstance(x, jax.core.Tracer) for x in primals):
-            return forward(q, k, v, ed, block_size, kv_history, output_final_state_only, config=config)
-        options = dict(block_size=block_size, output_final_state_only=output_final_state_only)
+            return forward(q, k, v, ed, block_size, kv_history, output_final_state_only, config=config,
+                           batch_invariant=batch_invariant)
+        options = dict(block_size=block_size, output_final_state_only=output_final_state_only,
+                       batch_invariant=batch_invariant)
 
         def run(q, k, v, ed, *hist):
             return forward(q, k, v, ed, block_size, hist[0] if hist else None,
-                           output_final_state_only, config=config)
+                           output_final_state_only, config=config, batch_invariant=batch_invariant)
 
         @jax.custom_vjp
         def prefill(*args):
@@ -196,8 +206,8 @@ def linear_decode_forward_triton(q, k, v, kv_caches, slope_rate, slot_idx, BLOCK
         the kernel's output: under jax.jit with kv_caches donated it is updated
         in place, without a copy; slots not named in slot_idx keep their bits.
 
-    Transforms: ``jax.jit`` (slot_idx may be traced), ``jax.vmap`` (one launch; slot_idx
-    and slope_rate both batched raise NotImplementedError), ``NamedSharding`` over heads and
+    Transforms: ``jax.jit`` (slot_idx may be traced), ``jax.vmap`` (one launch, any
+    argument batched), ``NamedSharding`` over heads and
     ``shard_map``, ``jax.export`` on a GPU (docs/jax_export.md). No backward
     (not differentiable with ``jax.grad``).
 
@@ -235,13 +245,15 @@ def _decode(arrays, *, config):
 # h*E .. h*E+E-1, so heads fold example-major there too). Batched ``slot_idx``:
 # batch rows and cache slots ([V, S, ...] -> [V*S, ...], an unbatched cache
 # tiled), ids offset by v*S (-1 stays -1; an out-of-range id stays out of range).
+# Batched ``slot_idx`` and ``slope_rate``: heads, over the states the rows name
+# (_decode_compact).
 
 
 def _lightning_config(tgt, infos, kw):
     return prefill_config(tgt, infos["q"], infos["k"], infos["v"], infos["ed"], infos.get("kv_history"),
                           block_size=as_int("block_size", kw.get("block_size", 256)),
                           output_final_state_only=bool(kw.get("output_final_state_only", False)),
-                          config=kw.get("config"))
+                          config=kw.get("config"), batch_invariant=bool(kw.get("batch_invariant", False)))
 
 
 def _lightning_rule(size, batched, arrays, static, call):
@@ -255,14 +267,38 @@ def _decode_rule(size, batched, arrays, static, call):
         return generic_rule(axes.name, axes, decay_prepare("slope_rate"))(
             size, batched, arrays, static, call)
     if "slope_rate" in batched:
-        raise unsupported(axes.name, "slope_rate", "with slot_idx batched the examples are folded "
-                           "into the batch rows, which share the heads' slopes")
+        return _decode_compact(size, batched, arrays, static, call)
     cache = arrays["kv_caches"]
     slots = cache.shape[-4]
     folded = {n: stack_along(arrays[n], n in batched, size, 0) for n in ("q", "k", "v", "kv_caches")}
     ids = offset_ids(arrays["slot_idx"], True, size, slots)
     out, new_cache = call(**folded, slope_rate=arrays["slope_rate"], slot_idx=ids, **static)
     return unstack_along(out, size, 0), unstack_along(new_cache, size, 0)
+
+
+def _decode_compact(size, batched, arrays, static, call):
+    """Slots and slopes both batched: rows share no slot across examples, heads no
+    slope, so the examples fold into the heads of a cache of the states the rows
+    name: row b of every example reads and writes slot b of [B, V * H, D, E]
+    (gathered from each example's slot_idx[v, b], scattered back after the launch,
+    one launch). Rows with id -1 give 0, ids out of range NaN, and neither touches
+    the cache, as the kernel does for them."""
+    ids = tile(arrays["slot_idx"], True, size).astype(jnp.int32)           # [V, B]
+    cache = tile(arrays["kv_caches"], "kv_caches" in batched, size)        # [V, S, H, D, E]
+    slots = cache.shape[1]
+    named = (ids >= 0) & (ids < slots)
+    states = cache[jnp.arange(size)[:, None], jnp.where(named, ids, 0)]    # [V, B, H, D, E]
+    folded = {n: stack_along(arrays[n], n in batched, size, 1) for n in ("q", "k", "v")}
+    rows = jnp.arange(ids.shape[1], dtype=arrays["slot_idx"].dtype)
+    out, new = call(**folded, kv_caches=stack_along(states, True, size, 1),
+                    slope_rate=stack_along(arrays["slope_rate"].reshape(size, -1), True, size, 0),
+                    slot_idx=rows, **static)
+    out = unstack_along(out, size, 1)                                       # [V, B, H * E]
+    out = jnp.where((ids == -1)[..., None], jnp.zeros((), out.dtype),
+                    jnp.where(named[..., None], out, jnp.full((), jnp.nan, out.dtype)))
+    target_rows = jnp.where(named, ids, slots)                              # others dropped
+    new_cache = cache.at[jnp.arange(size)[:, None], target_rows].set(unstack_along(new, size, 1), mode="drop")
+    return out, new_cache
 
 
 # ---------------------------------------------------------------- the public functions

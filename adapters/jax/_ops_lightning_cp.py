@@ -155,14 +155,16 @@ def lightning_attention_cp(q, k, v, ed, kv_history=None, *, axis_name, block_siz
 
 
 # ---------------------------------------------------------------- the jit path (_spmd's split)
-def prefill_split(arrays, *, axis_names, block_size, output_final_state_only, config):
-    """lightning_attention's forward on sequence shards (output_final_state_only)."""
+def prefill_split(arrays, *, axis_names, block_size, output_final_state_only, config, batch_invariant=False):
+    """lightning_attention's forward on sequence shards (output_final_state_only;
+    ``batch_invariant`` does not apply: the shards' arithmetic is the split's own)."""
     o, final, _ = _forward(arrays["q"], arrays["k"], arrays["v"], arrays["ed"], arrays.get("kv_history"),
                            axis_names, block_size, config)
     return o, final
 
 
-def backward_split(arrays, *, axis_names, block_size, output_final_state_only, need_grad_ed):
+def backward_split(arrays, *, axis_names, block_size, output_final_state_only, need_grad_ed,
+                   batch_invariant=False):
     """lightning_attention_backward on sequence shards (output_final_state_only).
     The forward's starting states are not among its residuals: recomputed (one
     more shard-state pass, gathered with the gradients' in one all-gather)."""

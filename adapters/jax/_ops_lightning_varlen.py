@@ -17,7 +17,7 @@ from core_kernels.lightning_attention.op import LIGHTNING_VARLEN, LIGHTNING_VARL
 
 from . import _spmd
 from ._vmap import (decay_prepare, generic_rule, offset_ids, per_example, pinned, rebase_offsets, stack_along,
-                    tile, unstack_along, unsupported, vmappable)
+                    looped, tile, unstack_along, vmappable)
 from ._executor import infos, run_plan, target
 from ._index_validation import check_indices, index_validation
 from ._ops_lightning import output_cotangents
@@ -31,7 +31,7 @@ def _host(x) -> bool:
 
 
 def lightning_attention_varlen(q, k, v, ed, cu_seqlens, *, kv_cache=None, slot_idx=None,
-                               block_size=256, config=None, validate_indices=None):
+                               block_size=256, config=None, validate_indices=None, batch_invariant=False):
     """Lightning attention (prefill) of B sequences packed along the token axis, one launch.
 
     For each sequence b (tokens cu_seqlens[b] .. cu_seqlens[b + 1] - 1) and head h:
@@ -60,6 +60,10 @@ def lightning_attention_varlen(q, k, v, ed, cu_seqlens, *, kv_cache=None, slot_i
         validate_indices: True checks cu_seqlens and slot_idx before the launch,
             wherever they live (one host transfer; ValueError; traced: ValueError);
             False never; None follows TANDEM_VALIDATE_INDICES (docs/index_validation.md).
+        batch_invariant: True makes each sequence's result, and its gradients,
+            independent of the other sequences and heads of the call and of the
+            GPU's size (static): no sequence is cut into chained-scan segments,
+            so a batch of few long sequences with few heads is slower.
     Returns:
         (output [T, H, E] in q's dtype, new kv_cache or, without a cache, the final
         states [B, H, D, E] float32). The new cache is aliased to the kernel's output:
@@ -67,8 +71,8 @@ def lightning_attention_varlen(q, k, v, ed, cu_seqlens, *, kv_cache=None, slot_i
         slots not named keep their bits. Without a cache every sequence starts from zero.
 
     Transforms: one launch whatever the lengths; ``jax.jit`` (cu_seqlens and slot_idx
-    may be traced), ``jax.vmap`` (one launch; ed batched together with cu_seqlens or
-    slot_idx raises NotImplementedError), ``jax.grad`` (custom VJP over q, k, v, ed
+    may be traced), ``jax.vmap`` (one launch; one per example with ed batched together
+    with cu_seqlens or slot_idx), ``jax.grad`` (custom VJP over q, k, v, ed
     and kv_cache; the decay's gradient only where ed is differentiated),
     ``NamedSharding`` over heads and ``shard_map``, ``jax.export`` on a GPU
     (docs/jax_export.md). On the CPU the kernels run under Triton's interpreter.
@@ -91,7 +95,8 @@ def lightning_attention_varlen(q, k, v, ed, cu_seqlens, *, kv_cache=None, slot_i
         arrays["slot_idx"] = slot_idx
     tgt = target(arrays)
     plan = plan_lightning_attention_varlen(  # validates before the host checks
-        tgt, **infos(arrays, "q", "k", "v", "ed", "cu_seqlens", "kv_cache", "slot_idx"), block_size=block_size, config=config)
+        tgt, **infos(arrays, "q", "k", "v", "ed", "cu_seqlens", "kv_cache", "slot_idx"), block_size=block_size,
+        config=config, batch_invariant=bool(batch_invariant))
     check_varlen_host_data(np.asarray(cu_seqlens) if _host(cu_seqlens) else None, q.shape[0],
                            np.asarray(slot_idx) if slot_idx is not None and _host(slot_idx) else None,
                            0 if kv_cache is None else kv_cache.shape[0])
@@ -100,37 +105,40 @@ def lightning_attention_varlen(q, k, v, ed, cu_seqlens, *, kv_cache=None, slot_i
                       dict(cu_seqlens=cu_seqlens, slot_idx=slot_idx), num_tokens=q.shape[0],
                       num_slots=0 if kv_cache is None else kv_cache.shape[0])
     return _spmd.call(LIGHTNING_VARLEN, _varlen, arrays, block_size=block_size, config=config,
-                      direct=lambda: run_plan(plan, arrays, tgt))
+                      batch_invariant=bool(batch_invariant), direct=lambda: run_plan(plan, arrays, tgt))
 
 
-def _varlen(arrays, *, block_size, config):
+def _varlen(arrays, *, block_size, config, batch_invariant):
     tgt = target(arrays)
     plan = plan_lightning_attention_varlen(
-        tgt, **infos(arrays, "q", "k", "v", "ed", "cu_seqlens", "kv_cache", "slot_idx"), block_size=block_size, config=config)
+        tgt, **infos(arrays, "q", "k", "v", "ed", "cu_seqlens", "kv_cache", "slot_idx"), block_size=block_size,
+        config=config, batch_invariant=batch_invariant)
     return run_plan(plan, arrays, tgt)
 
 
 def lightning_attention_varlen_backward(q, k, v, ed, cu_seqlens, kv, grad_output, grad_kv=None,
-                                        kv_history=None, *, need_grad_ed=True):
+                                        kv_history=None, *, need_grad_ed=True, batch_invariant=False):
     """Gradients (dq, dk [T, H, D], dv [T, H, E] in q's dtype, d ed [H] float32
     (zeros unless ``need_grad_ed``), d kv_history [B, H, D, E] float32 (zeros
     without it)) of :func:`lightning_attention_varlen`, sequence b starting from
     ``kv_history[b]`` (None: zero), from its inputs, its final states ``kv``
     [B, H, D, E] and the output gradients (``grad_kv`` may be None). The
-    kernels of the torch adapter's backward (bitwise the same)."""
+    kernels of the torch adapter's backward (bitwise the same). ``batch_invariant``:
+    as the forward's."""
     arrays = dict(q=q, k=k, v=v, ed=ed, cu_seqlens=cu_seqlens, kv=kv, grad_output=grad_output)
     if grad_kv is not None:
         arrays["grad_kv"] = grad_kv
     if kv_history is not None:
         arrays["kv_history"] = kv_history
-    return _spmd.call(LIGHTNING_VARLEN_BACKWARD, _varlen_backward, arrays, need_grad_ed=bool(need_grad_ed))
+    return _spmd.call(LIGHTNING_VARLEN_BACKWARD, _varlen_backward, arrays, need_grad_ed=bool(need_grad_ed),
+                      batch_invariant=bool(batch_invariant))
 
 
-def _varlen_backward(arrays, *, need_grad_ed):
+def _varlen_backward(arrays, *, need_grad_ed, batch_invariant):
     tgt = target(arrays)
     plan = plan_lightning_attention_varlen_backward(
         tgt, **infos(arrays, "q", "k", "v", "ed", "cu_seqlens", "kv", "grad_output", "grad_kv", "kv_history"),
-        need_grad_ed=need_grad_ed)
+        need_grad_ed=need_grad_ed, batch_invariant=batch_invariant)
     return run_plan(plan, arrays, tgt)
 
 
@@ -143,8 +151,9 @@ def with_vjp(forward, backward):
     any transformation (no traced array) it is ``forward`` itself."""
     @functools.wraps(forward)
     def lightning_attention_varlen(q, k, v, ed, cu_seqlens, *, kv_cache=None, slot_idx=None,
-                                   block_size=256, config=None, validate_indices=None):
-        kwargs = dict(block_size=block_size, config=config, validate_indices=validate_indices)
+                                   block_size=256, config=None, validate_indices=None, batch_invariant=False):
+        kwargs = dict(block_size=block_size, config=config, validate_indices=validate_indices,
+                      batch_invariant=batch_invariant)
         cached = kv_cache is not None
         if not any(isinstance(x, jax.core.Tracer) for x in (q, k, v, ed, kv_cache)):
             return forward(q, k, v, ed, cu_seqlens, kv_cache=kv_cache, slot_idx=slot_idx, **kwargs)
@@ -178,14 +187,15 @@ def with_vjp(forward, backward):
             grad_o, grad_kv = output_cotangents(grads)
             need = ed_perturbed[-1] if ed_perturbed else True
             if not cached:
-                dq, dk, dv, ded, _ = backward(q, k, v, ed, cu, final, grad_o, grad_kv, need_grad_ed=need)
+                dq, dk, dv, ded, _ = backward(q, k, v, ed, cu, final, grad_o, grad_kv, need_grad_ed=need,
+                                              batch_invariant=batch_invariant)
                 return dq, dk, dv, ded.reshape(ed.shape), None
             kv_cache, slot = cache[0], jnp.asarray(cache[1]).astype(jnp.int32)
             named = (slot >= 0)[:, None, None, None]
             rows = jnp.where(slot >= 0, slot, kv_cache.shape[0])  # -1: out of range, dropped
             grad_final = None if grad_kv is None else jnp.where(named, grad_kv[jnp.maximum(slot, 0)], 0.0)
             dq, dk, dv, ded, dhist = backward(q, k, v, ed, cu, final, grad_o, grad_final, hist,
-                                              need_grad_ed=need)
+                                              need_grad_ed=need, batch_invariant=batch_invariant)
             # a named slot's input reaches the output only through its sequence
             dcache = (jnp.zeros_like(kv_cache) if grad_kv is None else
                       grad_kv.at[rows].set(0.0, mode="drop"))
@@ -207,7 +217,7 @@ def with_vjp(forward, backward):
 def _varlen_config(tgt, infos, kw):
     return varlen_config(tgt, infos["q"], infos["k"], infos["v"], infos["ed"], infos["cu_seqlens"],
                          infos.get("kv_cache"), infos.get("slot_idx"), block_size=kw.get("block_size", 256),
-                         config=kw.get("config"))
+                         config=kw.get("config"), batch_invariant=bool(kw.get("batch_invariant", False)))
 
 
 def _varlen_rule(size, batched, arrays, static, call):
@@ -215,9 +225,8 @@ def _varlen_rule(size, batched, arrays, static, call):
     if not batched & {"cu_seqlens", "slot_idx"}:
         return generic_rule(axes.name, axes, decay_prepare("ed"),
                             pinned(_varlen_config))(size, batched, arrays, static, call)
-    if "ed" in batched:
-        raise unsupported(axes.name, "ed", "with cu_seqlens / slot_idx batched the examples are "
-                           "folded into the tokens, which share the heads' decays")
+    if "ed" in batched:  # the tokens fold shares the heads' decays: one launch per example
+        return looped(size, batched, arrays, static, call)
     t = arrays["q"].shape[-3]
     folded = {n: stack_along(arrays[n], n in batched, size, 0) for n in ("q", "k", "v")}
     folded["cu_seqlens"] = rebase_offsets(arrays["cu_seqlens"], "cu_seqlens" in batched, size, t)

@@ -13,7 +13,7 @@ from core_kernels.merge_attn_states import (NO_FP8_BACKWARD, check_prefill_token
                                            plan_merge_attn_states_backward)
 
 from . import _spmd
-from ._vmap import generic_rule, stack_along, tile, unstack_along, unsupported, vmappable
+from ._vmap import generic_rule, looped, stack_along, tile, unstack_along, vmappable
 from ._executor import as_array, infos, is_device_data, run_plan, scale_array, target
 
 
@@ -43,7 +43,7 @@ def merge_attn_states(prefix_output, prefix_lse, suffix_output, suffix_lse, *,
         count merges the two parts, t >= it copies the suffix and its LSE.
 
     Transforms: ``jax.jit`` (the count and the scale may be traced), ``jax.vmap``
-    (one launch; a batched ``output_scale`` raises NotImplementedError), ``jax.grad``
+    (one launch; one per example with a batched ``output_scale``), ``jax.grad``
     (custom VJP over the four inputs; an fp8 output has no backward: ValueError),
     ``NamedSharding`` over heads (or tokens, without a count) and ``shard_map``,
     ``jax.export`` on a GPU (docs/jax_export.md). On the CPU the kernels run under
@@ -207,8 +207,8 @@ def _mask(arrays):
 # takes one count): tokens are gathered into one order where every example's
 # merged tokens (t < count_v) come first, the launch count is their total, and
 # the results are scattered back (a per-token op, so bitwise equal). A batched
-# ``output_scale`` raises NotImplementedError (one scale per launch: dividing
-# inputs instead would change the rounding).
+# ``output_scale``: one launch per example (_vmap.looped; the kernel takes one
+# scale, and dividing the inputs instead would change the rounding).
 # - mask_empty_context_lse: heads. Batched start locs: tokens ([H, T] ->
 # [H, V*T]) with query starts offset by v*T and context starts shifted so that
 # the junction between two examples is a non-empty "request" (untouched, as
@@ -218,7 +218,7 @@ def _mask(arrays):
 def _merge_rule(size, batched, arrays, static, call):
     op = "merge_attn_states"
     if "output_scale" in batched:
-        raise unsupported(op, "output_scale", "one scale per launch; pass one shared scale")
+        return looped(size, batched, arrays, static, call)
     if "prefill_tokens_with_context" not in batched:
         return generic_rule(op, MERGE_ATTN_STATES)(size, batched, arrays, static, call)
     # one count per example: gather every example's merged tokens (t < count) first, then

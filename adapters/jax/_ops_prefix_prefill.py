@@ -13,7 +13,7 @@ from core_kernels.prefix_prefill.op import CONTEXT_ATTENTION_FWD
 
 from . import _spmd
 from ._vmap import (fold_arrays, offset_ids, per_example, pinned, rebase_offsets, stack_along, unstack_along,
-                    unsupported, vmappable)
+                    looped, vmappable)
 from ._executor import infos, run_plan, scale_array, target
 from ._index_validation import buffer_address, check_indices, index_validation
 
@@ -23,7 +23,7 @@ def context_attention_fwd(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_l
                           alibi_slopes=None, sliding_window=None, sm_scale=None,
                           skip_decode=False, fp8_out_scale=None, sinks=None, output=None,
                           is_block_table_ptr=False, interleaved_v_pack_factor=0, causal=True,
-                          config=None, validate_indices=None):
+                          config=None, validate_indices=None, batch_invariant=False):
     """Causal attention of new tokens over their paged context and themselves.
 
     T = new tokens of all sequences, B = sequences, Hq query heads, Hkv KV heads;
@@ -80,14 +80,18 @@ def context_attention_fwd(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_l
             max_input_len against each other and the cache before the launch (one host
             transfer; ValueError naming the argument; traced arrays: ValueError); False
             never; None follows TANDEM_VALIDATE_INDICES (docs/index_validation.md).
+        batch_invariant: True makes each (token, head) row's result independent of
+            the other sequences of the batch (static): the context read through the
+            paged cache uses the tiles of the gathered one, whichever the batch's
+            size picks (16-bit D=128: a slower paged loop).
 
     Returns:
         o: [T, Hq, D] in q's dtype, or float8_e4m3fn with ``fp8_out_scale``.
 
     Transforms: ``jax.jit`` (block table, offsets, lengths and scales may be traced),
-    ``jax.vmap`` (one launch; batched k_scale / v_scale / fp8_out_scale raise
-    NotImplementedError, as do alibi_slopes / sinks or is_block_table_ptr with batched
-    index data), ``NamedSharding`` over heads and ``shard_map``, ``jax.export`` on a
+    ``jax.vmap`` (every argument; one launch, or one per example where batched
+    k_scale / v_scale / fp8_out_scale, alibi_slopes / sinks with batched index data,
+    or is_block_table_ptr leave nothing to fold), ``NamedSharding`` over heads and ``shard_map``, ``jax.export`` on a
     GPU (docs/jax_export.md). Forward only: not differentiable with ``jax.grad``. On
     the CPU the kernels run under Triton's interpreter.
 
@@ -130,7 +134,7 @@ def context_attention_fwd(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_l
         sm_scale=None if sm_scale is None else as_float("sm_scale", sm_scale, finite=False),
         skip_decode=skip_decode, causal=bool(causal),
         interleaved_v_pack_factor=as_int("interleaved_v_pack_factor", interleaved_v_pack_factor),
-        is_block_table_ptr=bool(is_block_table_ptr), config=config)[0]
+        is_block_table_ptr=bool(is_block_table_ptr), config=config, batch_invariant=bool(batch_invariant))[0]
 
 
 def _context_attention(arrays, **options):
@@ -163,8 +167,9 @@ def _check_indices(q, k, k_cache, b_loc, b_start_loc, b_seq_len, max_input_len, 
 # b_seq_len) is shared; else tokens: q/k/v/output tokens stacked, sequences
 # stacked along the batch, caches concatenated along blocks with block ids
 # offset by v * num_blocks and b_start_loc re-based by v*T. Batched k_scale /
-# v_scale / fp8_out_scale (one per launch), and alibi_slopes / sinks together
-# with batched index data, raise NotImplementedError.
+# v_scale / fp8_out_scale (one per launch), alibi_slopes / sinks together with
+# batched index data, and block addresses (is_block_table_ptr: they point into
+# the one cache the call receives): one launch per example (_vmap.looped).
 
 
 _INDEX = ("b_loc", "b_start_loc", "b_seq_len")
@@ -188,26 +193,22 @@ def _prefix_config(tgt, infos, kw):
         sliding_window=None if sw is None else as_int("sliding_window", sw),
         sm_scale=None if sm is None else float(sm), skip_decode=bool(kw.get("skip_decode", False)),
         causal=bool(kw.get("causal", True)), v_pack=as_int("v_pack", kw.get("interleaved_v_pack_factor", 0)),
-        config=kw.get("config"))
+        config=kw.get("config"), batch_invariant=bool(kw.get("batch_invariant", False)))
 
 
 def _context_rule(size, batched, arrays, static, call):
     axes = CONTEXT_ATTENTION_FWD
     op = axes.name
-    for n in axes.unbatchable:
-        if n in batched:
-            raise unsupported(op, n, "one scale applies to the whole launch")
-    if static.get("is_block_table_ptr"):
-        raise unsupported(op, "b_loc", "is_block_table_ptr: block addresses cannot be re-based "
-                           "onto a folded cache")
+    if static.get("is_block_table_ptr") and batched & {"k_cache", "v_cache"}:
+        raise ValueError(f"k_cache: {op} with is_block_table_ptr reads block addresses of one cache; "
+                         "under jax.vmap the caches must be shared by the examples (unbatched)")
+    if (batched & set(axes.unbatchable) or static.get("is_block_table_ptr")
+            or (batched & set(_INDEX) and batched & {"alibi_slopes", "sinks"})):
+        return looped(size, batched, arrays, static, call)
     kw = pinned(_prefix_config)(dict(static), per_example(arrays, batched))
     if not batched & set(_INDEX):  # shared index data: fold into the heads (kv heads grouped)
         folded = fold_arrays(axes, "heads", size, batched, arrays)
         return unstack_along(call(**folded, **kw), size, 1)
-    for n in ("alibi_slopes", "sinks"):
-        if n in batched:
-            raise unsupported(op, n, "with the index data batched the examples are folded into "
-                               "the tokens, which share the heads' values")
     t = arrays["q"].shape[-3]
     blocks = arrays["k_cache"].shape[1 if "k_cache" in batched else 0]
     folded = {n: None if arrays.get(n) is None else stack_along(arrays[n], n in batched, size, 0)

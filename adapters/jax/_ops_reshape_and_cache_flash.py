@@ -11,7 +11,7 @@ from core_kernels.reshape_and_cache_flash import (RESHAPE_AND_CACHE_FLASH, check
 from . import _spmd
 from ._executor import infos, run_plan, scale_array, target
 from ._index_validation import check_indices, index_validation
-from ._vmap import offset_ids, stack_along, unstack_along, unsupported, vmappable
+from ._vmap import looped, offset_ids, stack_along, unstack_along, vmappable
 
 
 def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, *, kv_cache_dtype="auto",
@@ -46,7 +46,7 @@ def reshape_and_cache_flash(key, value, key_cache, value_cache, slot_mapping, *,
 
     Transforms: ``jax.jit`` (slot_mapping and the scales may be traced), ``jax.vmap``
     (one launch: the examples' caches folded into one cache's blocks, their slots
-    offset; batched scales raise NotImplementedError), ``NamedSharding`` over kv
+    offset; batched scales: one launch per example), ``NamedSharding`` over kv
     heads and ``shard_map`` (no collective), ``jax.export`` on a GPU
     (docs/jax_export.md). No backward.
 
@@ -83,19 +83,17 @@ def _reshape_and_cache_flash(arrays, *, kv_cache_dtype, config):
 # offset by v * NB * BS (negative slots stay negative; a slot past its cache
 # stays past the folded one: no example writes another's cache). Every token
 # writes what a per-example call writes, so the results are equal bit for bit.
+# Batched scales (one per launch), or int32 slots that the folded caches would
+# overflow: one launch per example (_vmap.looped).
 
 
 def _rule(size, batched, arrays, static, call):
-    op = RESHAPE_AND_CACHE_FLASH.name
-    for name in ("k_scale", "v_scale"):
-        if name in batched:
-            raise unsupported(op, name, "one scale per launch; pass one shared scale")
     cache = arrays["key_cache"]
     num_blocks, block_size = cache.shape[-4], cache.shape[-3]
     slots = arrays["slot_mapping"]
-    if jnp.dtype(slots.dtype) == jnp.int32 and size * num_blocks * block_size > INT32_MAX:
-        raise unsupported(op, "slot_mapping", f"the {size} examples' caches hold more than 2^31 - 1 slots "
-                          "together: pass int64 slots (jax_enable_x64)")
+    if batched & {"k_scale", "v_scale"} or (jnp.dtype(slots.dtype) == jnp.int32
+                                            and size * num_blocks * block_size > INT32_MAX):
+        return looped(size, batched, arrays, static, call)
     folded = {n: stack_along(arrays[n], n in batched, size, 0)
               for n in ("key", "value", "key_cache", "value_cache")}
     ids = offset_ids(slots, "slot_mapping" in batched, size, num_blocks * block_size)

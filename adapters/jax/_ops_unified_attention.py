@@ -14,7 +14,7 @@ from core_kernels.unified_attention.op import UNIFIED_ATTENTION
 from . import _spmd
 from ._executor import infos, is_device_data, run_plan, scale_array, target
 from ._index_validation import check_indices, index_validation
-from ._vmap import offset_ids, rebase_offsets, stack_along, unstack_along, unsupported, vmappable
+from ._vmap import looped, offset_ids, rebase_offsets, stack_along, unstack_along, vmappable
 
 _ARRAYS = ("q", "k", "v", "cu_seqlens_q", "seqused_k", "block_table", "out", "causal_flags",
            "q_descale", "k_descale", "v_descale", "alibi_slopes", "sinks", "output_scale")
@@ -87,7 +87,7 @@ def unified_attention(q, k, v, cu_seqlens_q, seqused_k, block_table, *, max_seql
     Transforms: ``jax.jit``, ``jax.vmap`` (one launch: examples stacked along the
     tokens, block ids offset into the stacked caches; batched alibi_slopes / sinks
     fold into the heads when the index data is shared; a batched q_descale or
-    output_scale raises NotImplementedError), ``NamedSharding`` over heads and
+    output_scale: one launch per example), ``NamedSharding`` over heads and
     ``shard_map`` (no collectives), ``jax.export`` on a GPU (docs/jax_export.md).
     Forward only. On the CPU the kernels run under Triton's interpreter. Bit for bit
     the torch op's results.
@@ -147,9 +147,9 @@ def _impl(arrays, **options):
 #   batched one-element descale first broadcast to [B, Hkv].
 # - alibi_slopes / sinks batched (and no index data batched): the examples are
 #   stacked along the heads (GQA: kv heads too, caches tiled).
-# - q_descale, output_scale batched: NotImplementedError (one per launch).
+# - q_descale, output_scale batched (one per launch), or alibi_slopes / sinks
+#   together with batched index data: one launch per example (_vmap.looped).
 _INDEX = ("cu_seqlens_q", "seqused_k", "block_table", "causal_flags")
-_OP = UNIFIED_ATTENTION.name
 
 
 def _descale_tables(size, batched, arrays):
@@ -207,15 +207,11 @@ def _fold_heads(size, batched, arrays, static, call):
 
 
 def _rule(size, batched, arrays, static, call):
-    for n in UNIFIED_ATTENTION.unbatchable:
-        if n in batched:
-            raise unsupported(_OP, n, "one scale applies to the whole launch")
+    per_head = batched & {"alibi_slopes", "sinks"}
+    if batched & set(UNIFIED_ATTENTION.unbatchable) or (per_head and batched & set(_INDEX)):
+        return looped(size, batched, arrays, static, call)
     arrays = _descale_tables(size, batched, arrays)
-    per_head = sorted(batched & {"alibi_slopes", "sinks"})
     if per_head:
-        if batched & set(_INDEX):
-            raise unsupported(_OP, per_head[0], "with the index data batched the examples are "
-                              "folded into the tokens, which share the heads' values")
         return _fold_heads(size, batched, arrays, static, call)
     return _fold_tokens(size, batched, arrays, static, call)
 

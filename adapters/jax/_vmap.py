@@ -29,8 +29,11 @@ function in ``_ops_<op>.py`` (``vmappable(fn, AXES, rule)``); this module holds
 only the generic mechanism and the fold helpers those rules share, and names no
 op.
 
-Unsupported combinations raise (naming the argument) while the rule is traced,
-before anything is launched.
+Every argument may be batched. What no axis can fold (a device scalar that
+applies to the whole launch, such as an fp8 output scale, batched; per-head
+values batched together with index data that folds the examples into the
+tokens) runs :func:`looped`: one launch per example in a ``jax.lax.map``,
+bitwise the per-example calls as well.
 """
 from __future__ import annotations
 
@@ -47,10 +50,6 @@ from ._executor import info, target
 
 def _traced(x) -> bool:
     return isinstance(x, jax.core.Tracer)
-
-
-def unsupported(op: str, name: str, why: str):
-    return NotImplementedError(f"{name}: jax.vmap of {op} with {name} batched is not supported ({why})")
 
 
 # ---------------------------------------------------------------- fold helpers
@@ -198,20 +197,25 @@ def vmappable(fn, axes: OpAxes, rule=None, components=None, prepare=None):
     return wrapper
 
 
+def looped(size, batched, arrays, static, call):
+    """The rule of what no axis folds: ``call`` once per example (``jax.lax.map``
+    over the batched arrays; the others, and the static arguments, shared), so
+    ``size`` launches, each the per-example call itself."""
+    shared = {n: x for n, x in arrays.items() if n not in batched}
+    return jax.lax.map(lambda ex: call(**shared, **ex, **static), {n: arrays[n] for n in batched})
+
+
 def generic_rule(op_name: str, axes: OpAxes, prepare=None, pin=None):
     """A rule folding along :func:`fold_label`'s label. ``prepare(size, batched,
     arrays, label) -> (arrays, shared, batched)``: op-specific normalisation
     (decay layouts, one-head layouts; ``shared``: arrays left unfolded);
     ``pin(static, example) -> static``: sets the config the per-example call
-    would choose."""
+    would choose. A batched ``unbatchable`` argument, or arrays no label folds,
+    run :func:`looped`."""
     def rule(size, batched, arrays, static, call):
-        for n in axes.unbatchable:
-            if n in batched:
-                raise unsupported(op_name, n, "one value applies to the whole launch")
         label = fold_label(axes, batched, arrays)
-        if label is None:
-            bad = sorted(n for n in batched if not any(axes.inputs.get(n, ())))
-            raise unsupported(op_name, (bad or sorted(batched))[0], "no axis to fold it into")
+        if label is None or batched & set(axes.unbatchable):
+            return looped(size, batched, arrays, static, call)
         shared = ()
         if prepare is not None:
             arrays, shared, batched = prepare(size, batched, arrays, label)

@@ -22,11 +22,12 @@ from ._register import custom_op
 def _bsattn_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_k: torch.Tensor,
                  cu_seqlens_q: Optional[torch.Tensor], crow: torch.Tensor, col: torch.Tensor,
                  sm_scale: Optional[float], block_size: int, q_block_size: Optional[int],
-                 max_seqlen: Optional[int], config: Optional[str]) -> torch.Tensor:
+                 max_seqlen: Optional[int], config: Optional[str], batch_invariant: bool = False) -> torch.Tensor:
     return execute(plan_blocksparse_attention,
                    dict(q=q, k=k, v=v, cu_seqlens_k=cu_seqlens_k, cu_seqlens_q=cu_seqlens_q, crow=crow, col=col),
                    sm_scale=sm_scale, block_size=block_size, q_block_size=q_block_size,
-                   max_seqlen=max_seqlen, config=decode_config(config))["output"]
+                   max_seqlen=max_seqlen, config=decode_config(config),
+                   batch_invariant=batch_invariant)["output"]
 
 
 # ---------------------------------------------------------------- autograd
@@ -105,8 +106,9 @@ _lse_op = custom_op("blocksparse_flash_attn_varlen_fwd_lse", _lse_impl, fake=_ls
 
 
 def _bsattn_differentiable(q, k, v, cu_seqlens_k, cu_seqlens_q, crow, col, sm_scale, block_size,
-                           q_block_size, max_seqlen, config):
-    """The forward op's call when a gradient is needed: through the LSE op."""
+                           q_block_size, max_seqlen, config, batch_invariant=False):
+    """The forward op's call when a gradient is needed: through the LSE op (the
+    prefill kernel: batch-invariant as it is)."""
     decoded = decode_config(config)
     if decoded is not None and not isinstance(decoded, BlocksparsePrefillConfig):
         raise ValueError(NO_DECODE_CONFIG + f", got {type(decoded).__name__}")
@@ -124,7 +126,7 @@ _MEMO = CallMemo(("q", "k", "v", "cu_seqlens_k", "cu_seqlens_q", "crow", "col"))
 
 def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_scale, sparse_layout,
                                       *, block_size=64, q_block_size=None, max_seqlen=None, config=None,
-                                      validate_indices=None):
+                                      validate_indices=None, batch_invariant=False):
     """Causal block-sparse attention over packed (varlen) sequences.
 
     Args:
@@ -149,6 +151,12 @@ def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_sc
         validate_indices: True checks cu_seqlens_k/q, the layout and max_seqlen
             before the launch (one host sync; ValueError naming the argument); False
             never; None (default) follows TANDEM_VALIDATE_INDICES (docs/index_validation.md).
+        batch_invariant: True makes each (sequence, head) row's result independent of
+            the other sequences and heads of the call and of the GPU's size. Only
+            decode-only batches change: the GQA-packed kernel whenever query heads
+            share a KV head, and key splits from the row's bound (pass one
+            max_seqlen to calls that must agree); a lone sequence decodes a few
+            microseconds slower (docs/composability.md, "Batch invariance").
 
     Returns:
         [Tq, Hq, D] in q's dtype (a new tensor).
@@ -176,7 +184,7 @@ def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_sc
     """
     crow, col = sparse_layout
     tensors = (q, k, v, cu_seqlens_k, cu_seqlens_q, crow, col)
-    scalars = (sm_scale, block_size, q_block_size, max_seqlen, config)
+    scalars = (sm_scale, block_size, q_block_size, max_seqlen, config, batch_invariant)
     env = _MEMO.lookup(tensors, scalars, validate_indices)
     if env is not None:
         return env["output"]
@@ -188,7 +196,7 @@ def blocksparse_flash_attn_varlen_fwd(q, k, v, cu_seqlens_k, cu_seqlens_q, sm_sc
                          as_int("block_size", block_size),
                          None if q_block_size is None else as_int("q_block_size", q_block_size),
                          None if max_seqlen is None else as_int("max_seqlen", max_seqlen),
-                         encode_config(config))
+                         encode_config(config), bool(batch_invariant))
     except BaseException:
         _MEMO.abandon()
         raise

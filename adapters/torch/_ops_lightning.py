@@ -21,14 +21,15 @@ from ._register import custom_op
 
 def _prefill_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.Tensor,
                   block_size: int, kv_history: Optional[torch.Tensor],
-                  output_final_state_only: bool, config: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+                  output_final_state_only: bool, config: Optional[str],
+                  batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     env = execute(plan_lightning_attention, dict(q=q, k=k, v=v, ed=ed, kv_history=kv_history),
                   block_size=block_size, output_final_state_only=output_final_state_only,
-                  config=decode_config(config))
+                  config=decode_config(config), batch_invariant=batch_invariant)
     return env["output"], env["kv"]
 
 
-def _prefill_fake(q, k, v, ed, block_size, kv_history, output_final_state_only, config):
+def _prefill_fake(q, k, v, ed, block_size, kv_history, output_final_state_only, config, batch_invariant=False):
     b, h, n, d = q.shape
     e = v.shape[-1]
     return (q.new_empty((b, h, n, e)),
@@ -39,12 +40,13 @@ def _prefill_fake(q, k, v, ed, block_size, kv_history, output_final_state_only, 
 def _backward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.Tensor,
                    kv_history: Optional[torch.Tensor], kv: torch.Tensor, grad_output: torch.Tensor,
                    grad_kv: Optional[torch.Tensor], block_size: int, output_final_state_only: bool,
-                   need_grad_ed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                torch.Tensor, torch.Tensor]:
+                   need_grad_ed: bool, batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                       torch.Tensor, torch.Tensor]:
     arrays = dict(q=q, k=k, v=v, ed=ed, kv_history=kv_history, kv=kv, grad_output=grad_output,
                   grad_kv=grad_kv)
     plan, device = planned(plan_lightning_attention_backward, arrays, block_size=block_size,
-                           output_final_state_only=output_final_state_only, need_grad_ed=need_grad_ed)
+                           output_final_state_only=output_final_state_only, need_grad_ed=need_grad_ed,
+                           batch_invariant=batch_invariant)
     env = run_plan(plan, arrays, device=device)
     return tuple(env[r] for r in plan.results)
 
@@ -61,27 +63,28 @@ _backward_op = custom_op("lightning_attention_backward", _backward_impl, fake=_b
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, ed, block_size, kv_history, final_only, _ = inputs
+    q, k, v, ed, block_size, kv_history, final_only, _, *invariant = inputs
+    batch_invariant = bool(invariant and invariant[0])
     ctx.save_for_backward(q, k, v, ed, kv_history, output[1])
-    ctx.options = (block_size, final_only)
+    ctx.options = (block_size, final_only, batch_invariant)
     ctx.history_dtype = None if kv_history is None else kv_history.dtype
 
 
 def _backward(ctx, grad_output, grad_kv):
     q, k, v, ed, kv_history, kv = ctx.saved_tensors
-    block_size, final_only = ctx.options
+    block_size, final_only, batch_invariant = ctx.options
     # NOTE: the kernels read grad_output with a unit last stride and grad_kv
     # contiguous; autograd may hand over expanded or permuted gradients
     grad_output = q.new_zeros((*q.shape[:3], v.shape[-1])) if grad_output is None else grad_output.contiguous()
     grad_kv = None if grad_kv is None else grad_kv.contiguous()
     dq, dk, dv, dhist, ded = _backward_op(q, k, v, ed, kv_history, kv, grad_output, grad_kv,
-                                          block_size, final_only, bool(ctx.needs_input_grad[3]))
+                                          block_size, final_only, bool(ctx.needs_input_grad[3]), batch_invariant)
     if kv_history is None:
         dhist = None
     else:
         dhist = dhist.to(ctx.history_dtype)
     ded = ded.reshape(ed.shape) if ctx.needs_input_grad[3] else None
-    return dq, dk, dv, ded, None, dhist, None, None
+    return dq, dk, dv, ded, None, dhist, None, None, None
 
 
 _prefill_op = custom_op("lightning_attention", _prefill_impl, fake=_prefill_fake,
@@ -94,7 +97,7 @@ _PREFILL_MEMO = CallMemo(("q", "k", "v", "ed", "kv_history"))
 def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.Tensor,
                         block_size: int = 256, kv_history: Optional[torch.Tensor] = None,
                         output_final_state_only: bool = False, *,
-                        config=None) -> tuple[torch.Tensor, torch.Tensor]:
+                        config=None, batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Linear attention with per-head decay over a whole sequence (prefill).
 
     S_t = exp(-ed[h]) * S_{t-1} + k_t^T v_t (S_{-1} = kv_history or 0), o_t = q_t S_t.
@@ -116,6 +119,12 @@ def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: t
             (forces the Triton kernel; e.g. ``dot_precision="ieee"`` for exact fp32
             products) or ``LightningGluonConfig`` (forces the Gluon kernels; ValueError
             where they do not apply) overriding the planner's choice.
+        batch_invariant: True makes each (b, h) row's result, and its gradients,
+            independent of which other rows share the call (and of the GPU's
+            size): one call with H heads equals two with H/2, bit for bit, as
+            do batch halves (sharded runs equal unsharded ones). Rows are cut
+            into chained-scan segments every 8192 tokens instead of by the grid,
+            which is slower where few rows share a GPU (docs/composability.md, "Batch invariance").
     Returns:
         (output [B, H, N, E] in q's dtype, kv float32): kv is [B, H, NB + 1, D, E]
         with NB = ceil(N / block_size), kv[:, :, i] the state before token
@@ -143,13 +152,13 @@ def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: t
         result = _ops_lightning_cp.dtensor_call(q, k, v, ed, block_size, kv_history, output_final_state_only, config)
         if result is not None:
             return result
-    tensors, scalars = (q, k, v, ed, kv_history), (block_size, output_final_state_only, config)
+    tensors, scalars = (q, k, v, ed, kv_history), (block_size, output_final_state_only, config, batch_invariant)
     env = _PREFILL_MEMO.lookup(tensors, scalars, False)
     if env is not None:
         return env["output"], env["kv"]
     try:
         result = _prefill_op(q, k, v, ed, as_int("block_size", block_size), kv_history,
-                             output_final_state_only, encode_config(config))
+                             output_final_state_only, encode_config(config), bool(batch_invariant))
     except BaseException:
         _PREFILL_MEMO.abandon()
         raise

@@ -18,7 +18,7 @@ from ._index_validation import check_indices, index_validation
 from ._register import custom_op
 
 
-def _run(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config):
+def _run(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config, batch_invariant=False):
     tensors = dict(q=q, k=k, v=v, ed=ed, cu_seqlens=cu_seqlens, kv_cache=kv_cache, slot_idx=slot_idx)
     check = None
     if not getattr(cu_seqlens, "is_cuda", True):
@@ -28,17 +28,17 @@ def _run(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config):
                                        None if slot_idx is None else slot_idx.numpy(),
                                        0 if kv_cache is None else kv_cache.shape[0])
     return execute(plan_lightning_attention_varlen, tensors, None, check, block_size=block_size,
-                   config=decode_config(config))
+                   config=decode_config(config), batch_invariant=batch_invariant)
 
 
 def _states_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.Tensor,
                  cu_seqlens: torch.Tensor, block_size: int,
-                 config: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    env = _run(q, k, v, ed, cu_seqlens, None, None, block_size, config)
+                 config: Optional[str], batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    env = _run(q, k, v, ed, cu_seqlens, None, None, block_size, config, batch_invariant)
     return env["output"], env["states"]
 
 
-def _states_fake(q, k, v, ed, cu_seqlens, block_size, config):
+def _states_fake(q, k, v, ed, cu_seqlens, block_size, config, batch_invariant=False):
     t, h, d = q.shape
     e = v.shape[-1]
     return q.new_empty((t, h, e)), q.new_empty((cu_seqlens.shape[0] - 1, h, d, e), dtype=torch.float32)
@@ -46,26 +46,29 @@ def _states_fake(q, k, v, ed, cu_seqlens, block_size, config):
 
 def _cache_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.Tensor,
                 cu_seqlens: torch.Tensor, kv_cache: torch.Tensor, slot_idx: torch.Tensor,
-                block_size: int, config: Optional[str]) -> torch.Tensor:
-    return _run(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config)["output"]
+                block_size: int, config: Optional[str], batch_invariant: bool = False) -> torch.Tensor:
+    return _run(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config, batch_invariant)["output"]
 
 
-def _cache_fake(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config):
+def _cache_fake(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config, batch_invariant=False):
     return q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
 
 
 def _backward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.Tensor,
                    cu_seqlens: torch.Tensor, kv: torch.Tensor, grad_output: torch.Tensor,
-                   grad_kv: Optional[torch.Tensor], kv_history: Optional[torch.Tensor], need_grad_ed: bool
+                   grad_kv: Optional[torch.Tensor], kv_history: Optional[torch.Tensor], need_grad_ed: bool,
+                   batch_invariant: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     tensors = dict(q=q, k=k, v=v, ed=ed, cu_seqlens=cu_seqlens, kv=kv, grad_output=grad_output,
                    grad_kv=grad_kv, kv_history=kv_history)
-    plan, device = planned(plan_lightning_attention_varlen_backward, tensors, need_grad_ed=need_grad_ed)
+    plan, device = planned(plan_lightning_attention_varlen_backward, tensors, need_grad_ed=need_grad_ed,
+                           batch_invariant=batch_invariant)
     env = run_plan(plan, tensors, device=device)
     return tuple(env[r] for r in plan.results)
 
 
-def _backward_fake(q, k, v, ed, cu_seqlens, kv, grad_output, grad_kv, kv_history, need_grad_ed):
+def _backward_fake(q, k, v, ed, cu_seqlens, kv, grad_output, grad_kv, kv_history, need_grad_ed,
+                   batch_invariant=False):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             q.new_empty((q.shape[1],), dtype=torch.float32), torch.empty_like(kv))
 
@@ -74,9 +77,15 @@ _backward_op = custom_op("lightning_attention_varlen_backward", _backward_impl, 
                          axes=LIGHTNING_VARLEN_BACKWARD)
 
 
+def _invariant(inputs, at: int) -> bool:
+    """The batch_invariant argument of a forward's ``inputs`` (schema default False)."""
+    return bool(inputs[at]) if len(inputs) > at else False
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, ed, cu_seqlens, *_ = inputs
     ctx.save_for_backward(q, k, v, ed, cu_seqlens, output[1])
+    ctx.batch_invariant = _invariant(inputs, 7)
 
 
 def _gradients(ctx, q, k, v, ed, cu_seqlens, states, kv_history, grad_output, grad_states):
@@ -84,41 +93,42 @@ def _gradients(ctx, q, k, v, ed, cu_seqlens, states, kv_history, grad_output, gr
     grad_output = q.new_zeros((*q.shape[:2], v.shape[-1])) if grad_output is None else grad_output.contiguous()
     grad_states = None if grad_states is None else grad_states.contiguous()
     dq, dk, dv, ded, dhist = _backward_op(q, k, v, ed, cu_seqlens, states, grad_output, grad_states,
-                                          kv_history, bool(ctx.needs_input_grad[3]))
+                                          kv_history, bool(ctx.needs_input_grad[3]), ctx.batch_invariant)
     return dq, dk, dv, ded.reshape(ed.shape) if ctx.needs_input_grad[3] else None, dhist
 
 
 def _backward(ctx, grad_output, grad_states):
     q, k, v, ed, cu_seqlens, states = ctx.saved_tensors
     dq, dk, dv, ded, _ = _gradients(ctx, q, k, v, ed, cu_seqlens, states, None, grad_output, grad_states)
-    return dq, dk, dv, ded, None, None, None
+    return dq, dk, dv, ded, None, None, None, None
 
 
 def _history_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.Tensor,
                   cu_seqlens: torch.Tensor, kv_history: torch.Tensor, block_size: int,
-                  config: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+                  config: Optional[str], batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequence b from kv_history[b]: the cache kernels over a copy of the
     history with slot b for sequence b (the copy ends as the final states)."""
     states = kv_history.to(torch.float32, copy=True)
     slots = torch.arange(cu_seqlens.shape[0] - 1, dtype=torch.int32, device=cu_seqlens.device)
-    out = _run(q, k, v, ed, cu_seqlens, states, slots, block_size, config)["output"]
+    out = _run(q, k, v, ed, cu_seqlens, states, slots, block_size, config, batch_invariant)["output"]
     return out, states
 
 
-def _history_fake(q, k, v, ed, cu_seqlens, kv_history, block_size, config):
+def _history_fake(q, k, v, ed, cu_seqlens, kv_history, block_size, config, batch_invariant=False):
     return _states_fake(q, k, v, ed, cu_seqlens, block_size, config)
 
 
 def _history_setup_context(ctx, inputs, output):
     q, k, v, ed, cu_seqlens, kv_history, *_ = inputs
     ctx.save_for_backward(q, k, v, ed, cu_seqlens, kv_history, output[1])
+    ctx.batch_invariant = _invariant(inputs, 8)
 
 
 def _history_backward(ctx, grad_output, grad_states):
     q, k, v, ed, cu_seqlens, kv_history, states = ctx.saved_tensors
     dq, dk, dv, ded, dhist = _gradients(ctx, q, k, v, ed, cu_seqlens, states, kv_history.float().contiguous(),
                                         grad_output, grad_states)
-    return dq, dk, dv, ded, None, dhist.to(kv_history.dtype), None, None
+    return dq, dk, dv, ded, None, dhist.to(kv_history.dtype), None, None, None
 
 
 _history_op = custom_op("lightning_attention_varlen_history", _history_impl, fake=_history_fake,
@@ -126,7 +136,7 @@ _history_op = custom_op("lightning_attention_varlen_history", _history_impl, fak
                         axes=LIGHTNING_VARLEN_HISTORY)
 
 
-def _cache_with_grad(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config):
+def _cache_with_grad(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config, batch_invariant):
     """The cache form under autograd: each sequence's starting state gathered
     from its slot (zero for -1), the history op, and the final states copied
     back into kv_cache in place (named slots only), all tracked by autograd.
@@ -135,7 +145,7 @@ def _cache_with_grad(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, co
     slot = slot_idx.long()
     named = (slot >= 0).to(kv_cache.dtype).view(-1, 1, 1, 1)
     hist = kv_cache.index_select(0, slot.clamp(min=0)) * named
-    out, final = _history_op(q, k, v, ed, cu_seqlens, hist, block_size, config)
+    out, final = _history_op(q, k, v, ed, cu_seqlens, hist, block_size, config, batch_invariant)
     spare = torch.cat([kv_cache, kv_cache.new_zeros((1, *kv_cache.shape[1:]))])
     rows = torch.where(slot >= 0, slot, kv_cache.shape[0])
     spare = spare.index_put((rows,), final.to(kv_cache.dtype))
@@ -155,7 +165,8 @@ _MEMO = CallMemo(("q", "k", "v", "ed", "cu_seqlens", "kv_cache", "slot_idx"), wr
 def lightning_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ed: torch.Tensor,
                                cu_seqlens: torch.Tensor, *, kv_cache: Optional[torch.Tensor] = None,
                                slot_idx: Optional[torch.Tensor] = None, block_size: int = 256,
-                               config=None, validate_indices=None) -> tuple[torch.Tensor, torch.Tensor]:
+                               config=None, validate_indices=None,
+                               batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Lightning attention (prefill) of B sequences packed along the token axis, one launch.
 
     For each sequence b (tokens cu_seqlens[b] .. cu_seqlens[b + 1] - 1) and head h:
@@ -189,6 +200,11 @@ def lightning_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         validate_indices: True checks cu_seqlens and slot_idx before the launch,
             wherever they live (one host sync; ValueError); False never; None
             (default) follows TANDEM_VALIDATE_INDICES (docs/index_validation.md).
+        batch_invariant: True makes each sequence's result, and its gradients,
+            independent of the other sequences and heads of the call and of the
+            GPU's size (its packing offset included): no sequence is cut into
+            chained-scan segments, so a batch of few long sequences with few
+            heads is slower (docs/composability.md, "Batch invariance").
     Returns:
         (output [T, H, E] in q's dtype, kv_cache (the argument, updated) or, without
         a cache, the final states [B, H, D, E] float32; every sequence then starts from zero).
@@ -211,11 +227,12 @@ def lightning_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     See docs/ops/lightning_attention_varlen.md for the worked example and how it runs.
     """
     tensors = (q, k, v, ed, cu_seqlens, kv_cache, slot_idx)
-    env = _MEMO.lookup(tensors, (block_size, config), validate_indices)
+    env = _MEMO.lookup(tensors, (block_size, config, batch_invariant), validate_indices)
     if env is not None:  # a cache form when kv_cache is given (the entry's pattern of absent tensors)
         return env["output"], env["states"] if kv_cache is None else kv_cache
     try:
-        result = _varlen(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config, validate_indices)
+        result = _varlen(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config, validate_indices,
+                         bool(batch_invariant))
     except BaseException:
         _MEMO.abandon()
         raise
@@ -223,7 +240,7 @@ def lightning_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return result
 
 
-def _varlen(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config, validate_indices):
+def _varlen(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config, validate_indices, invariant):
     """lightning_attention_varlen's regular path."""
     if index_validation(validate_indices, cu_seqlens, slot_idx) and isinstance(q, torch.Tensor) \
             and q.dim() == 3:
@@ -231,11 +248,12 @@ def _varlen(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, config, val
                       dict(cu_seqlens=cu_seqlens, slot_idx=slot_idx), num_tokens=q.shape[0],
                       num_slots=kv_cache.shape[0] if isinstance(kv_cache, torch.Tensor) else 0)
     if kv_cache is None and slot_idx is None:
-        return _states_op(q, k, v, ed, cu_seqlens, block_size, encode_config(config))
+        return _states_op(q, k, v, ed, cu_seqlens, block_size, encode_config(config), invariant)
     if kv_cache is None or slot_idx is None:  # the planner's error, before any launch
         _run(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, encode_config(config))
     if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
                                        for x in (q, k, v, ed, kv_cache)):
-        return _cache_with_grad(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, encode_config(config))
-    out = _cache_op(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, encode_config(config))
+        return _cache_with_grad(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, encode_config(config),
+                                invariant)
+    out = _cache_op(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size, encode_config(config), invariant)
     return out, kv_cache

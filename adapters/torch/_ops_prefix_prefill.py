@@ -23,7 +23,7 @@ def _impl(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
           alibi_slopes: Optional[torch.Tensor], sliding_window: Optional[int],
           sm_scale: Optional[float], skip_decode: bool, fp8_out_scale: Optional[torch.Tensor],
           sinks: Optional[torch.Tensor], causal: bool, interleaved_v_pack_factor: int,
-          is_block_table_ptr: bool, config: Optional[str]) -> None:
+          is_block_table_ptr: bool, config: Optional[str], batch_invariant: bool = False) -> None:
     # in the planner's positional order
     tensors = dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, b_loc=b_loc,
                    b_start_loc=b_start_loc, b_seq_len=b_seq_len, output=o, k_scale=k_scale,
@@ -33,7 +33,8 @@ def _impl(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Tensor],
             kv_cache_dtype=kv_cache_dtype, sliding_window=sliding_window,
             sm_scale=sm_scale, skip_decode=skip_decode, causal=causal,
             interleaved_v_pack_factor=interleaved_v_pack_factor,
-            is_block_table_ptr=is_block_table_ptr, config=decode_config(config))
+            is_block_table_ptr=is_block_table_ptr, config=decode_config(config),
+            batch_invariant=batch_invariant)
 
 
 _op = custom_op("context_attention_fwd", _impl, mutates_args=("o",), axes=CONTEXT_ATTENTION_FWD,
@@ -49,7 +50,7 @@ def context_attention_fwd(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b
                           alibi_slopes=None, sliding_window=None, sm_scale=None,
                           skip_decode=False, fp8_out_scale=None, sinks=None,
                           is_block_table_ptr=False, interleaved_v_pack_factor=0, causal=True, *,
-                          config=None, validate_indices=None) -> None:
+                          config=None, validate_indices=None, batch_invariant=False) -> None:
     """Causal attention of new tokens over their paged context and themselves; writes ``o``.
 
     Args:
@@ -100,6 +101,10 @@ def context_attention_fwd(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b
             max_input_len against each other and the cache before the launch (one
             host sync; ValueError naming the argument); False never; None (default)
             follows TANDEM_VALIDATE_INDICES (docs/index_validation.md).
+        batch_invariant: True makes each (token, head) row's result independent of the
+            other sequences of the batch: the context read through the paged cache
+            uses the tiles of the gathered one, whichever the batch's size picks
+            (16-bit D=128: a slower paged loop; docs/composability.md, "Batch invariance").
     All tensors may have any strides. CPU tensors run under Triton's interpreter on
     a machine without a GPU.
 
@@ -127,7 +132,7 @@ def context_attention_fwd(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b
     if _MEMO.lookup((q, k, v, o, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, k_scale, v_scale, alibi_slopes,
                      sinks, fp8_out_scale),
                     (kv_cache_dtype, max_seq_len, max_input_len, sliding_window, sm_scale, skip_decode,
-                     is_block_table_ptr, interleaved_v_pack_factor, causal, config),
+                     is_block_table_ptr, interleaved_v_pack_factor, causal, config, batch_invariant),
                     validate_indices) is not None:
         return
     try:
@@ -143,7 +148,7 @@ def context_attention_fwd(q, k, v, o, kv_cache_dtype, k_cache, v_cache, b_loc, b
             None if sm_scale is None else as_float("sm_scale", sm_scale, finite=False),
             bool(skip_decode), scale_tensor("fp8_out_scale", fp8_out_scale, q), sinks, bool(causal),
             as_int("interleaved_v_pack_factor", interleaved_v_pack_factor, 0, INT32_MAX),
-            bool(is_block_table_ptr), encode_config(config))
+            bool(is_block_table_ptr), encode_config(config), bool(batch_invariant))
     except BaseException:
         _MEMO.abandon()
         raise

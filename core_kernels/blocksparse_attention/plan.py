@@ -159,7 +159,7 @@ def plan_blocksparse_attention(
     target: Target, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, cu_seqlens_k: ArrayInfo,
     cu_seqlens_q: ArrayInfo | None, crow: ArrayInfo, col: ArrayInfo, *,
     sm_scale: float | None = None, block_size: int = 64, q_block_size: int | None = None,
-    max_seqlen: int | None = None, config=None,
+    max_seqlen: int | None = None, config=None, batch_invariant: bool = False,
 ) -> Plan:
     """Plan ``blocksparse_flash_attn_varlen_fwd`` (see the adapters' docstrings).
 
@@ -168,7 +168,9 @@ def plan_blocksparse_attention(
     decode, fp32 scratch. Nothing here reads device data: grids come from
     shapes and ``max_seqlen`` (default: what the layout covers).
     ``config``: one of CONFIG_TYPES, selecting the kernel variant and its
-    tuning (default: :func:`choose_config`'s choice).
+    tuning (default: :func:`choose_config`'s choice). ``batch_invariant``:
+    each (sequence, head) row's result independent of B, Hq and the GPU's size
+    (INVARIANT_NOTE: only decode-only batches need it; a config's choice stands).
     """
     check_config(config, CONFIG_TYPES)
     p = _validate(q, k, v, cu_seqlens_k, cu_seqlens_q, crow, col, sm_scale, block_size,
@@ -179,7 +181,7 @@ def plan_blocksparse_attention(
     buffers = {"output": Buffer((p.tq, p.hq, p.d), p.dtype)}
     if p.empty:
         return Plan(buffers, (), ("output",))
-    config = config or _choose(target, p)
+    config = config or _choose(target, p, bool(batch_invariant))
     if isinstance(config, BlocksparsePrefillConfig):
         launches = (_prefill_launch(p, config),)
     elif isinstance(config, BlocksparseDecodeConfig):
@@ -193,22 +195,23 @@ def choose_config(target: Target, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo,
                   cu_seqlens_k: ArrayInfo, cu_seqlens_q: ArrayInfo | None, crow: ArrayInfo,
                   col: ArrayInfo, *, sm_scale: float | None = None, block_size: int = 64,
                   q_block_size: int | None = None, max_seqlen: int | None = None, variant=None,
-                  splits: int | None = None):
+                  splits: int | None = None, batch_invariant: bool = False):
     """The config plan_blocksparse_attention chooses for these arguments, or with
     ``variant`` (one of CONFIG_TYPES) the measured rule's config of that variant;
     ``splits`` (decode variants) asks for that many splits instead of the rule's
     count, the packed kernel's chunk following from it. For tuning sweeps."""
     p = _validate(q, k, v, cu_seqlens_k, cu_seqlens_q, crow, col, sm_scale, block_size,
                   q_block_size, max_seqlen)
-    variant = variant or type(_choose(target, p))
+    invariant = bool(batch_invariant)
+    variant = variant or type(_choose(target, p, invariant))
     if variant not in CONFIG_TYPES:
         raise TypeError(f"variant: expected one of {[c.__name__ for c in CONFIG_TYPES]}, got {variant!r}")
     _check_variant(variant, p)
     if variant is BlocksparsePrefillConfig:
         return _prefill_config(target, p)
     if variant is BlocksparseDecodeConfig:
-        return _decode_config(target, p, splits)
-    return _group_decode_config(target, p, splits)
+        return _decode_config(target, p, splits, invariant)
+    return _group_decode_config(target, p, splits, invariant)
 
 
 # ---------------------------------------------------------------- validation
@@ -335,11 +338,26 @@ def _check_fields(config, p: _Problem) -> None:
 
 
 # ---------------------------------------------------------------- configs (measured rules)
-def _choose(target: Target, p: _Problem):
-    if p.decode_kernels_apply and _group_decode_pays(p):
-        return _group_decode_config(target, p)
+# NOTE (INVARIANT_NOTE): batch_invariant=True. The prefill kernel's rows do the
+# same arithmetic in any batch (query tiles start at each sequence's layout
+# rows). The decode kernels split a row's keys into a number of splits that
+# follows the grid (B * Hq and the SM count), and the GQA-packed kernel, chosen
+# from B * Hkv on, computes a row in another order than the per-head one: both
+# change the last bits of a row with the batch. Invariant plans take the packed
+# kernel whenever query heads share a KV head and the per-head one otherwise,
+# and split by the row's bound alone (the layout's extent, or max_seqlen for
+# the packed kernel: pass the same max_seqlen to calls that must agree). The
+# price (H200 NOTE above): 1x16384 Phi-3-small decode runs packed, 18.8-19.3 us
+# against 16.2 us per-head; 64x4096 keeps its kernel at 8 splits of 8 blocks
+# instead of 2 of 32 (173 vs 169 us).
+INVARIANT_GROUP_CHUNK = 8
+
+
+def _choose(target: Target, p: _Problem, invariant: bool = False):
+    if p.decode_kernels_apply and (p.qpk > 1 if invariant else _group_decode_pays(p)):
+        return _group_decode_config(target, p, None, invariant)
     if p.decode_kernels_apply:
-        return _decode_config(target, p)
+        return _decode_config(target, p, None, invariant)
     return _prefill_config(target, p)
 
 
@@ -388,13 +406,14 @@ def _decode_block_n(p: _Problem) -> int:
     return min(p.block_size, 64)
 
 
-def _decode_config(target: Target, p: _Problem, splits: int | None = None) -> BlocksparseDecodeConfig:
+def _decode_config(target: Target, p: _Problem, splits: int | None = None,
+                   invariant: bool = False) -> BlocksparseDecodeConfig:
     if splits is not None:
         return BlocksparseDecodeConfig(splits, DECODE_WARPS, DECODE_STAGES)
     row_bound = cdiv(min(p.nnz, p.nb) * p.block_size, _decode_block_n(p))  # K/V tiles in a row, at most
+    grid_splits = 0 if invariant else DECODE_PROGRAMS_PER_SM * target.num_sms // max(1, p.b * p.hq)
     # a split below DECODE_MIN_PER_SPLIT tiles never has work: cap there
-    splits = max(1, min(max(DECODE_PROGRAMS_PER_SM * target.num_sms // max(1, p.b * p.hq),
-                            cdiv(row_bound, DECODE_TILES_PER_SPLIT)),
+    splits = max(1, min(max(grid_splits, cdiv(row_bound, DECODE_TILES_PER_SPLIT)),
                         cdiv(row_bound, DECODE_MIN_PER_SPLIT), DECODE_MAX_SPLITS))
     return BlocksparseDecodeConfig(splits, DECODE_WARPS, DECODE_STAGES)
 
@@ -408,10 +427,12 @@ def _group_decode_pays(p: _Problem) -> bool:
     return p.qpk > 1 and p.b * p.hkv * cdiv(p.qpk, _group_heads(p)) >= DECODE_GROUP_MIN_PROGRAMS
 
 
-def _group_decode_config(target: Target, p: _Problem,
-                         want: int | None = None) -> BlocksparseGroupDecodeConfig:
+def _group_decode_config(target: Target, p: _Problem, want: int | None = None,
+                         invariant: bool = False) -> BlocksparseGroupDecodeConfig:
     positions = cdiv(p.max_seqlen, p.block_size)           # key blocks a row can reach
     progs = p.b * p.hkv * cdiv(p.qpk, _group_heads(p))
+    if want is None and invariant:  # INVARIANT_NOTE: from the row's bound alone
+        want = min(DECODE_MAX_SPLITS, cdiv(positions, INVARIANT_GROUP_CHUNK))
     want = want or max(1, cdiv(DECODE_GROUP_PROGRAMS_PER_SM * target.num_sms, progs))
     chunk = min(max(next_pow2(cdiv(positions, want)), DECODE_GROUP_MIN_CHUNK), DECODE_GROUP_MAX_CHUNK)
     stages = _fit_stages(max(16, _group_heads(p)), _decode_block_n(p), DECODE_GROUP_STAGES, p)

@@ -28,8 +28,8 @@ from .._plan import (ArrayInfo, Buffer, Launch, Plan, Scalar, cdiv, check_config
 from .._target import Target
 from .backward_kernels import (_lightning_bwd_decay_kernel, _lightning_bwd_dkv_kernel, _lightning_bwd_dq_kernel,
                                _state_map_kernel)
-from .prefill_plan import (DEFAULT_DOT_PRECISION, DOT_PRECISIONS, _chunking, _gluon_config, _gluon_launch, _triton_config,
-                   _triton_launch, _use_gluon, _validate_prefill, prefill_state_shape)
+from .prefill_plan import (DEFAULT_DOT_PRECISION, DOT_PRECISIONS, _chunking, _planned_launch, _validate_prefill,
+                           prefill_state_shape)
 
 
 @config_class
@@ -77,7 +77,7 @@ def plan_lightning_attention_backward(
     target: Target, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, ed: ArrayInfo,
     kv_history: ArrayInfo | None, kv: ArrayInfo, grad_output: ArrayInfo,
     grad_kv: ArrayInfo | None, *, block_size: int = 256, output_final_state_only: bool = False,
-    need_grad_ed: bool = True, config: LightningBackwardConfig | None = None,
+    need_grad_ed: bool = True, config: LightningBackwardConfig | None = None, batch_invariant: bool = False,
 ) -> Plan:
     """Plan the backward of ``plan_lightning_attention``.
 
@@ -90,7 +90,10 @@ def plan_lightning_attention_backward(
     [B, H, N, E] in q's dtype; "grad_kv_history" [B, H, D, E] float32 (zeros
     when kv_history is None); "grad_ed" [H] float32 (zeros unless
     ``need_grad_ed``). Deterministic (no atomics). The form (the forward's
-    kernels or the scans) is the module docstring's.
+    kernels or the scans) is the module docstring's. ``batch_invariant``: the
+    forward's kernels planned as plan_lightning_attention plans them with it
+    (each (b, h) row's gradients independent of the other rows; d ed sums
+    over the batch whatever the plan).
     """
     check_config(config, (LightningBackwardConfig,))
     p = _validate_prefill(q, k, v, ed, kv_history, block_size, output_final_state_only)
@@ -108,7 +111,8 @@ def plan_lightning_attention_backward(
             buffers[name] = Buffer(buffers[name].shape, buffers[name].dtype, zero_init=True)
         return Plan(buffers, (), BACKWARD_RESULTS)
     if config is None and not need_grad_ed and (grad_kv is None or p.final_only):
-        return Plan(buffers, _forward_passes(target, p, grad_output, grad_kv, buffers), BACKWARD_RESULTS)
+        return Plan(buffers, _forward_passes(target, p, grad_output, grad_kv, buffers, bool(batch_invariant)),
+                    BACKWARD_RESULTS)
     # chunks laid out per returned state block, as the forward's (prefill_kernels.py)
     block_len, chunks, _, num_chunks = _chunking(p, c.block_t)
     strides = {n: info.strides[:3] for n, info in (("q", p.q), ("k", p.k), ("v", p.v), ("o", grad_output))}
@@ -119,7 +123,8 @@ def plan_lightning_attention_backward(
     return Plan(buffers, launches, BACKWARD_RESULTS)
 
 
-def _forward_passes(target, p, grad_output: ArrayInfo, grad_kv: ArrayInfo | None, buffers: dict) -> tuple:
+def _forward_passes(target, p, grad_output: ArrayInfo, grad_kv: ArrayInfo | None, buffers: dict,
+                    invariant: bool) -> tuple:
     """dq, dv, dk as three launches of the forward prefill's kernel (the module
     docstring's identities), each planned as the forward plans it (Gluon where
     it applies) and its buffers renamed; plus the state maps around them:
@@ -127,15 +132,14 @@ def _forward_passes(target, p, grad_output: ArrayInfo, grad_kv: ArrayInfo | None
     Adds the scratch to ``buffers``."""
     def plan_pass(qi, ki, vi, hi, reverse, shift):
         f = _validate_prefill(qi, ki, vi, p.ed, hi, p.block_size, True)
-        if _use_gluon(target, f, None):
-            return _gluon_launch(f, _gluon_config(target, f, None), reverse, shift)
-        return _triton_launch(target, f, _triton_config(target, f, None), reverse, shift)
+        return _planned_launch(target, f, None, invariant, reverse, shift)
 
     return _passes(p, p.kv_history, grad_output, grad_kv, buffers, plan_pass, False)
 
 
 def _varlen_forward_passes(target, p, cu_seqlens: ArrayInfo, kv_history: ArrayInfo | None,
-                           grad_output: ArrayInfo, grad_kv: ArrayInfo | None, buffers: dict) -> tuple:
+                           grad_output: ArrayInfo, grad_kv: ArrayInfo | None, buffers: dict,
+                           invariant: bool) -> tuple:
     """_forward_passes for packed sequences: per pass the varlen kernel the
     forward would run (Gluon or Triton; each sequence walked, reversed and
     shifted on its own; the history of sequence b is row b), and d kv_history
@@ -146,10 +150,10 @@ def _varlen_forward_passes(target, p, cu_seqlens: ArrayInfo, kv_history: ArrayIn
     def plan_pass(qi, ki, vi, hi, reverse, shift):
         f = vp._validate(qi, ki, vi, p.ed, cu_seqlens, None, None, 256)
         # (no token at all: the Triton kernel, whose one item per sequence carries the history)
-        if f.t and vp._use_gluon(target, f, None):
+        if f.t and vp._use_gluon(target, f, None, invariant):
             plan = vp._gluon_launch(f, vp._gluon_config(target, f, None), hi is not None, reverse, shift)
         else:
-            plan = vp._launch(target, f, vp._config(target, f, None), hi is not None, reverse, shift)
+            plan = vp._launch(target, f, vp._config(target, f, None, invariant), hi is not None, reverse, shift)
         return plan.buffers, plan.launches[0]
 
     return _passes(p, kv_history, grad_output, grad_kv, buffers, plan_pass, True)
@@ -291,7 +295,7 @@ VARLEN_BACKWARD_RESULTS = ("grad_q", "grad_k", "grad_v", "grad_ed", "grad_kv_his
 def plan_lightning_attention_varlen_backward(
     target: Target, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, ed: ArrayInfo, cu_seqlens: ArrayInfo,
     kv: ArrayInfo, grad_output: ArrayInfo, grad_kv: ArrayInfo | None, kv_history: ArrayInfo | None = None,
-    *, need_grad_ed: bool = True, config: LightningBackwardConfig | None = None,
+    *, need_grad_ed: bool = True, config: LightningBackwardConfig | None = None, batch_invariant: bool = False,
 ) -> Plan:
     """Plan the backward of ``plan_lightning_attention_varlen``: sequence b
     starts from ``kv_history[b]`` ([B, H, D, E] float32, innermost dim
@@ -307,7 +311,8 @@ def plan_lightning_attention_varlen_backward(
     float32 (zeros without kv_history). Deterministic. The forms of the dense
     backward: with ed constant the varlen forward kernels run the three passes
     (_varlen_forward_passes), otherwise the scan kernels, one program per
-    (sequence, head, tile)."""
+    (sequence, head, tile). ``batch_invariant``: the forward kernels planned as
+    plan_lightning_attention_varlen plans them with it."""
     from .varlen_plan import _validate as _validate_varlen
     check_config(config, (LightningBackwardConfig,))
     p = _validate_varlen(q, k, v, ed, cu_seqlens, None, None, 256)
@@ -331,7 +336,7 @@ def plan_lightning_attention_varlen_backward(
         return Plan(buffers, (), VARLEN_BACKWARD_RESULTS)
     if config is None and not need_grad_ed:
         return Plan(buffers, _varlen_forward_passes(target, p, cu_seqlens, kv_history, grad_output, grad_kv,
-                                                    buffers), VARLEN_BACKWARD_RESULTS)
+                                                    buffers, bool(batch_invariant)), VARLEN_BACKWARD_RESULTS)
     # [T, H, *]: no batch stride; a program's sequence offset comes from cu_seqlens
     strides = {n: (0, info.strides[1], info.strides[0])
                for n, info in (("q", p.q), ("k", p.k), ("v", p.v), ("o", grad_output))}

@@ -110,6 +110,22 @@ NUM_STAGES = {"bfloat16": 3, "float16": 3, "float32": 3}
 WAVE_IDLE_FRACTION = 32
 SEGMENT_WAVES = 2
 MIN_SEGMENT_CHUNKS = 4
+# NOTE: batch_invariant=True (the prefill, its backward and varlen): a row's
+# arithmetic must not depend on the other rows of the call. The chained scan's
+# segment boundaries change each row's arithmetic (a segment's start state is
+# its predecessor's end state plus a separately summed contribution, not the
+# sequential state), and the defaults above cut segments by the grid's size
+# (B * H and the SM count): a call with H/2 heads differed from one with H in
+# the last bits (H200, e8ee106: B1 H64 N4096 sharded over two GPUs). Invariant
+# plans cut a row every INVARIANT_SEGMENT_TOKENS tokens (whole state blocks /
+# Gluon units), whatever B, H or the GPU, and choose E-tiles and load rings from
+# the row's dtype and sizes alone. 8192 keeps the measured default of the
+# headline shapes (B1 H64 N4096 and B4 H64 N1024: one segment; B1 H8 N65536:
+# 8 segments); elsewhere it costs what the grid rule gained: few (b, h) rows of
+# <= 8192 tokens run unsegmented on a part of the GPU, many rows of long
+# sequences re-read each segment's k and v once more (the segments' first pass).
+# No default could keep both: the speed comes from following the grid.
+INVARIANT_SEGMENT_TOKENS = 8192
 
 
 def _full_wave(target: Target) -> int:
@@ -186,7 +202,7 @@ def plan_lightning_attention(
     target: Target, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, ed: ArrayInfo,
     kv_history: ArrayInfo | None = None, *, block_size: int = 256,
     output_final_state_only: bool = False,
-    config: LightningTritonConfig | LightningGluonConfig | None = None,
+    config: LightningTritonConfig | LightningGluonConfig | None = None, batch_invariant: bool = False,
 ) -> Plan:
     """Plan lightning-attention prefill.
 
@@ -199,16 +215,24 @@ def plan_lightning_attention(
     The Gluon kernels run where they apply (see _gluon_unfit), else the Triton
     kernel. ``config``: a LightningTritonConfig forces the Triton kernel, a
     LightningGluonConfig the Gluon ones (ValueError where they do not apply).
+    ``batch_invariant``: every (b, h) row's result independent of B, H and the
+    GPU's size (the NOTE at INVARIANT_SEGMENT_TOKENS); a ``config``'s own fields
+    still apply.
     """
     check_config(config, (LightningTritonConfig, LightningGluonConfig))
     p = _validate_prefill(q, k, v, ed, kv_history, block_size, output_final_state_only)
     if p.b == 0 or p.h == 0:
         return Plan(p.buffers(), (), PREFILL_RESULTS)
-    if _use_gluon(target, p, config):
-        buffers, launch = _gluon_launch(p, _gluon_config(target, p, config))
-    else:
-        buffers, launch = _triton_launch(target, p, _triton_config(target, p, config))
+    buffers, launch = _planned_launch(target, p, config, bool(batch_invariant))
     return Plan(buffers, (launch,), PREFILL_RESULTS)
+
+
+def _planned_launch(target: Target, p: _Prefill, config, invariant: bool, reverse: bool = False,
+                    hist_shift: bool = False):
+    """(buffers, launch) of the kernel ``config`` or the planner picks for ``p``."""
+    if _use_gluon(target, p, config):
+        return _gluon_launch(p, _gluon_config(target, p, config, invariant), reverse, hist_shift)
+    return _triton_launch(target, p, _triton_config(target, p, config, invariant), reverse, hist_shift)
 
 
 # the decay-rate layouts accepted (vLLM's callers pass [H, 1, 1] from MiniMax's
@@ -247,7 +271,7 @@ def _check_head(name, size):
 
 def prefill_config(target: Target, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, ed: ArrayInfo,
                    kv_history: ArrayInfo | None = None, *, block_size: int = 256,
-                   output_final_state_only: bool = False, config=None):
+                   output_final_state_only: bool = False, config=None, batch_invariant: bool = False):
     """The config :func:`plan_lightning_attention` runs these arrays with:
     ``config`` completed, or the measured default (Gluon where the target
     runs it). The JAX adapter's vmap pins it, so that a folded launch does the
@@ -255,8 +279,8 @@ def prefill_config(target: Target, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, ed:
     p = _validate_prefill(q, k, v, ed, kv_history, as_int("block_size", block_size),
                           bool(output_final_state_only))
     if _use_gluon(target, p, config):
-        return _gluon_config(target, p, config)
-    return _triton_config(target, p, config)
+        return _gluon_config(target, p, config, bool(batch_invariant))
+    return _triton_config(target, p, config, bool(batch_invariant))
 
 
 def _validate_prefill(q, k, v, ed, kv_history, block_size, final_only) -> _Prefill:
@@ -303,12 +327,19 @@ def _chunking(p: _Prefill, block_t: int) -> tuple[int, int, int, int]:
     return block_len, chunks, num_blocks, (num_blocks - 1) * chunks + cdiv(tail, block_t)
 
 
-def _triton_config(target: Target, p: _Prefill, override) -> LightningTritonConfig:
-    """The Triton kernel's config from the tables above, ``override``'s fields first."""
+def _invariant_segments(units: int, unit_tokens: int) -> int:
+    """Segments of a batch-invariant plan: one per INVARIANT_SEGMENT_TOKENS tokens
+    of the row, in whole units of ``unit_tokens`` tokens (``units`` of them)."""
+    return cdiv(units, max(1, INVARIANT_SEGMENT_TOKENS // unit_tokens))
+
+
+def _triton_config(target: Target, p: _Prefill, override, invariant: bool = False) -> LightningTritonConfig:
+    """The Triton kernel's config from the tables above, ``override``'s fields first
+    (``invariant``: from the row alone, see INVARIANT_SEGMENT_TOKENS)."""
     o = override or LightningTritonConfig()
     block_e, small_d = o.block_e, p.block_d <= 128
-    if (block_e is None and p.dtype == "bfloat16" and p.d == p.block_d <= 128 and p.e % 64 == 0
-            and p.b * p.h * (p.e // 64) >= _full_wave(target)):
+    if (block_e is None and not invariant and p.dtype == "bfloat16" and p.d == p.block_d <= 128
+            and p.e % 64 == 0 and p.b * p.h * (p.e // 64) >= _full_wave(target)):
         # NOTE: enough (b, h) pairs to fill the GPU with E-tile 64 (one program
         # per SM): half the redundant q k^T and q/k reads of E-tile 32. H200,
         # B=1, H=64, N=4096, 3 stages: 126.6 vs 128.1 us with per-block states,
@@ -320,10 +351,12 @@ def _triton_config(target: Target, p: _Prefill, override) -> LightningTritonConf
     block_t = o.block_t or (BLOCK_T[p.dtype] if small_d else 32)
     if not p.final_only:
         block_t = min(block_t, max(16, next_pow2(p.block_size)))
-    _, _, num_blocks, num_chunks = _chunking(p, block_t)
+    block_len, _, num_blocks, num_chunks = _chunking(p, block_t)
     programs = p.b * p.h * cdiv(p.e, block_e)
     segments = o.num_segments
-    if segments is None:
+    if segments is None and invariant:
+        segments = _invariant_segments(num_blocks, block_len)
+    elif segments is None:
         segments = _num_segments(target, programs, SEGMENT_WAVES, num_chunks, num_blocks)
     return LightningTritonConfig(block_t, block_e, o.num_warps or NUM_WARPS[p.dtype],
                                  o.num_stages or NUM_STAGES[p.dtype], _split(num_blocks, segments)[1],
@@ -533,16 +566,23 @@ def _gluon_unit(p: _Prefill, stages: int) -> int:
     return int(np.lcm(1 if p.final_only else p.block_size // GLUON_T, stages))
 
 
-def _gluon_config(target: Target, p: _Prefill, override) -> LightningGluonConfig:
+def _gluon_config(target: Target, p: _Prefill, override, invariant: bool = False) -> LightningGluonConfig:
     o = override or LightningGluonConfig()
     programs = p.b * p.h * (p.e // GLUON_BE)
-    stages = o.stages or (GLUON_STAGES_MANY if programs > target.num_sms else GLUON_STAGES)[p.dtype]
+    num_chunks = p.n // GLUON_T
+    # batch-invariant and segmented: the ring depth sets the segments' unit, so
+    # it comes from the dtype alone (unsegmented it changes no arithmetic)
+    fixed_ring = invariant and o.num_segments is None and p.n > INVARIANT_SEGMENT_TOKENS
+    stages = o.stages or (GLUON_STAGES_MANY if programs > target.num_sms and not fixed_ring
+                          else GLUON_STAGES)[p.dtype]
     if p.dtype == "float32" and stages != 2:
         raise ValueError(f"config: stages={stages}; the fp32 Gluon kernel keeps a 2-deep load ring")
-    num_chunks = p.n // GLUON_T
-    units = cdiv(num_chunks, _gluon_unit(p, stages))
+    unit = _gluon_unit(p, stages)
+    units = cdiv(num_chunks, unit)
     segments = o.num_segments
-    if segments is None:
+    if segments is None and invariant:
+        segments = _invariant_segments(units, unit * GLUON_T)
+    elif segments is None:
         segments = _num_segments(target, programs, GLUON_SEGMENT_WAVES, num_chunks, units)
     return LightningGluonConfig(_split(units, segments)[1], stages)
 

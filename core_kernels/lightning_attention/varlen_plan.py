@@ -106,7 +106,7 @@ class _Varlen:
 def plan_lightning_attention_varlen(
     target: Target, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, ed: ArrayInfo, cu_seqlens: ArrayInfo,
     kv_cache: ArrayInfo | None = None, slot_idx: ArrayInfo | None = None, *, block_size: int = 256,
-    config: LightningVarlenConfig | None = None,
+    config: LightningVarlenConfig | None = None, batch_invariant: bool = False,
 ) -> Plan:
     """Plan lightning attention over B sequences packed along the token axis.
 
@@ -126,26 +126,30 @@ def plan_lightning_attention_varlen(
     and the sequences fill the GPU without cuts, else the Triton kernel.
     ``config``: a LightningVarlenConfig forces the Triton kernel (and overrides
     its tiling and segmentation), a LightningVarlenGluonConfig the Gluon ones.
+    ``batch_invariant``: each sequence's result independent of the other
+    sequences and heads of the call and of the GPU's size (no cut sequences;
+    the Gluon kernels wherever they apply; see INVARIANT_NOTE).
     """
     check_config(config, (LightningVarlenConfig, LightningVarlenGluonConfig))
     p = _validate(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size)
     if p.b == 0 or p.h == 0 or p.t == 0:  # nothing to compute: states are zero or the cache's
         return Plan(p.buffers(), (), p.results)
-    if _use_gluon(target, p, config):
+    if _use_gluon(target, p, config, batch_invariant):
         return _gluon_launch(p, _gluon_config(target, p, config))
-    c = _config(target, p, config)
+    c = _config(target, p, config, batch_invariant)
     return _launch(target, p, c)
 
 
 def varlen_config(target: Target, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, ed: ArrayInfo,
                   cu_seqlens: ArrayInfo, kv_cache: ArrayInfo | None = None,
-                  slot_idx: ArrayInfo | None = None, *, block_size: int = 256, config=None):
+                  slot_idx: ArrayInfo | None = None, *, block_size: int = 256, config=None,
+                  batch_invariant: bool = False):
     """The Triton config (segment length, tiles) :func:`plan_lightning_attention_varlen`
     chooses for these arrays: ``config`` completed, or the measured default. The
     JAX adapter's vmap pins it, so that a folded launch does the per-example
     arithmetic."""
     p = _validate(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size)
-    return _config(target, p, config)
+    return _config(target, p, config, batch_invariant)
 
 
 def _validate(q, k, v, ed, cu_seqlens, kv_cache, slot_idx, block_size) -> _Varlen:
@@ -212,17 +216,30 @@ def _segment_len(target: Target, p: _Varlen, per_item: int, block_t: int) -> int
     return max(MIN_SEGMENT_CHUNKS, p.t // extra // block_t) * block_t
 
 
-def _config(target: Target, p: _Varlen, override) -> LightningVarlenConfig:
-    """The config from the prefill's tables (prefill_plan.py), ``override``'s fields first."""
+# NOTE (INVARIANT_NOTE): batch_invariant=True. Items are cut at multiples of
+# segment_len along the packed token axis, so where a sequence is cut depends on
+# the sequences packed before it, and the default segment_len and kernel on B,
+# H, T and the SM count. Invariant plans cut no sequence (one program per
+# sequence, head and E-tile, from the sequence's first token: the chunks are the
+# sequence's own) and take the Gluon kernels wherever they apply (their scope
+# depends on the packed axis only beyond 2**31 output elements), else the
+# Triton kernel with E-tiles from the dtype and sizes. The price: a batch of few
+# long sequences with few heads fills only part of the GPU (the prefill's
+# invariant plans cut rows; the varlen kernels could cut at fixed offsets from
+# each sequence's start, which they do not do yet).
+def _config(target: Target, p: _Varlen, override, invariant: bool = False) -> LightningVarlenConfig:
+    """The config from the prefill's tables (prefill_plan.py), ``override``'s fields
+    first (``invariant``: INVARIANT_NOTE)."""
     o = override or LightningVarlenConfig()
     block_e, small_d = o.block_e, p.block_d <= 128
-    if (block_e is None and p.dtype == "bfloat16" and p.d == p.block_d <= 128 and p.e % 64 == 0
-            and p.b * p.h * (p.e // 64) >= _full_wave(target)):
+    if (block_e is None and not invariant and p.dtype == "bfloat16" and p.d == p.block_d <= 128
+            and p.e % 64 == 0 and p.b * p.h * (p.e // 64) >= _full_wave(target)):
         block_e = 64  # the prefill's rule (prefill_plan._triton_config): enough (b, h) pairs for E-tile 64
     block_e = block_e or min(BLOCK_E[p.dtype] if small_d else 32, max(16, next_pow2(p.e)))
     block_t = o.block_t or (BLOCK_T[p.dtype] if small_d else 32)
     per_item = p.h * cdiv(p.e, block_e)
-    seg = o.segment_len if o.segment_len is not None else _segment_len(target, p, per_item, block_t)
+    seg = o.segment_len if o.segment_len is not None else (
+        0 if invariant else _segment_len(target, p, per_item, block_t))
     return LightningVarlenConfig(block_t, block_e, o.num_warps or NUM_WARPS[p.dtype],
                                  o.num_stages or NUM_STAGES[p.dtype], seg, o.dot_precision)
 
@@ -312,9 +329,9 @@ def _gluon_unfit(target: Target, p: _Varlen) -> str | None:
     return None
 
 
-def _use_gluon(target: Target, p: _Varlen, config) -> bool:
-    """The Gluon kernels where they apply and no sequence needs cutting, unless
-    ``config`` picks the kernel."""
+def _use_gluon(target: Target, p: _Varlen, config, invariant: bool = False) -> bool:
+    """The Gluon kernels where they apply and no sequence needs cutting (or
+    ``invariant``: wherever they apply), unless ``config`` picks the kernel."""
     if isinstance(config, LightningVarlenConfig):
         return False
     unfit = _gluon_unfit(target, p)
@@ -322,7 +339,7 @@ def _use_gluon(target: Target, p: _Varlen, config) -> bool:
         if unfit:
             raise ValueError(f"config: LightningVarlenGluonConfig does not apply here: {unfit}")
         return True
-    return unfit is None and _segment_len(target, p, p.h * (p.e // GLUON_BE), GLUON_T) == 0
+    return unfit is None and (invariant or _segment_len(target, p, p.h * (p.e // GLUON_BE), GLUON_T) == 0)
 
 
 def _gluon_config(target: Target, p: _Varlen, override) -> LightningVarlenGluonConfig:

@@ -133,7 +133,8 @@ def plan_prefix_prefill(target: Target, q, k, v, k_cache, v_cache, b_loc, b_star
                         kv_cache_dtype: str = "auto", sliding_window=None, sm_scale=None,
                         skip_decode: bool = False, output_dtype: str | None = None,
                         causal: bool = True, interleaved_v_pack_factor: int = 0,
-                        is_block_table_ptr: bool = False, config: PrefixPrefillConfig | None = None) -> Plan:
+                        is_block_table_ptr: bool = False, config: PrefixPrefillConfig | None = None,
+                        batch_invariant: bool = False) -> Plan:
     """Plan prefix-prefill attention (contract: docs/ops/prefix_prefill.md).
 
     Array arguments are ArrayInfo (``output`` / ``k_scale`` / ``v_scale`` /
@@ -159,6 +160,10 @@ def plan_prefix_prefill(target: Target, q, k, v, k_cache, v_cache, b_loc, b_star
     ``b_loc`` (int64) holds device addresses of K cache blocks (k_cache's data
     pointer + id * k_cache.stride(0) * itemsize; 0 for an unused slot), turned
     into ids in the kernels; V blocks are found by the same id.
+
+    ``batch_invariant``: each (token, head) row's result independent of the
+    other sequences of the batch (INVARIANT_NOTE: the context read paged or
+    gathered with the same tiles).
     """
     check_config(config, (PrefixPrefillConfig,))
     if config is not None:
@@ -171,7 +176,7 @@ def plan_prefix_prefill(target: Target, q, k, v, k_cache, v_cache, b_loc, b_star
                         as_int("max_seq_len", max_seq_len, 0))
     if problem.t == 0 or problem.bsz == 0 or problem.hq == 0 or problem.max_input_len == 0:
         return Plan(problem.buffers, (), ("output",))
-    config, pack = _choose_config(problem, config)
+    config, pack = _choose_config(problem, config, bool(batch_invariant))
     buffers = dict(problem.buffers)
     launches = []
     if config.gather:
@@ -200,7 +205,7 @@ def prefix_prefill_config(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_l
                           k_scale=None, v_scale=None, alibi_slopes=None, sinks=None, fp8_out_scale=None, *,
                           max_input_len: int, kv_cache_dtype: str = "auto", sliding_window=None,
                           sm_scale=None, skip_decode: bool = False, causal: bool = True, v_pack: int = 0,
-                          config: PrefixPrefillConfig | None = None):
+                          config: PrefixPrefillConfig | None = None, batch_invariant: bool = False):
     """The tiles (and gather decision) :func:`plan_prefix_prefill` chooses for
     these arrays: ``config`` completed, or the measured table's entry; ``config``
     itself where the problem is empty (nothing is launched). The JAX adapter's
@@ -210,7 +215,7 @@ def prefix_prefill_config(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_l
                   sm_scale, skip_decode, None, causal, v_pack, False)
     if p.t == 0 or p.bsz == 0 or p.hq == 0 or p.max_input_len == 0:
         return config
-    return _choose_config(p, config)[0]
+    return _choose_config(p, config, bool(batch_invariant))[0]
 
 
 def _validate(q, k, v, k_cache, v_cache, b_loc, b_start_loc, b_seq_len, output, k_scale, v_scale,
@@ -419,10 +424,25 @@ def _rows_and_pack(p: _Problem, config: PrefixPrefillConfig) -> tuple[int, int]:
     return rows_and_pack(p.max_input_len, p.group, config)
 
 
-def _choose_config(p: _Problem, config: PrefixPrefillConfig | None):
+# NOTE (INVARIANT_NOTE): batch_invariant=True. Whether the context is gathered
+# depends on the batch (the scratch's size: B, the block table's width; the
+# reuse: the batch's longest query), and the gathered path runs other key tiles
+# than the paged one for 16-bit D=128 (GATHER_TILE_CONFIGS): a row's online
+# softmax then walks other tiles. With equal tiles both paths do a row's
+# arithmetic alike (the gather copies exact values; tests/test_shard_invariance.py
+# checks it bit for bit), so invariant plans give the paged path the gathered
+# path's tiles (prefetching block ids one tile ahead as the paged path does).
+# The query tiles' shrinking for short batches is invariant as it is: it happens
+# only where every sequence fits one tile. The price: the paged loop at BLOCK_N
+# 64 instead of 128, 7-12% slower where it runs (H200 NOTE at TILE_CONFIGS;
+# measured before the gather existed).
+def _choose_config(p: _Problem, config: PrefixPrefillConfig | None, invariant: bool = False):
     """(config with block_m shrunk and gather decided, PACK): the override, or
-    the measured tables' choice."""
+    the measured tables' choice (``invariant``: INVARIANT_NOTE)."""
     chosen = config or TILE_CONFIGS[p.key]
+    if config is None and invariant and p.key in GATHER_TILE_CONFIGS:
+        chosen = dataclasses.replace(GATHER_TILE_CONFIGS[p.key], gather=None,
+                                     prefetch_ids=TILE_CONFIGS[p.key].prefetch_ids)
     gather = chosen.gather
     if gather is None:  # automatic: only where measured (fp32 (64, 32) tiles: 4.1 vs 3.1 ms)
         block_m, pack = _rows_and_pack(p, chosen)

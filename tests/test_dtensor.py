@@ -1,6 +1,9 @@
 """torch DTensor: every op runs on head- (and batch-) sharded DTensors locally, with
 no collective inside the call, and equals the unsharded call bit for bit; shardings
 the op cannot compute locally are redistributed (same result) or refused by name.
+Eager calls that need no redistribution take the local fast path (_dtensor.local_call),
+the others DTensor's dispatch; under torch.compile(fullgraph=True) the dispatch is
+traced away (a second compiled call runs no sharding rule and no fast path).
 
 Two gloo ranks on the CPU (Triton's interpreter), one process group for every op:
 starting the processes is most of the cost."""
@@ -27,7 +30,7 @@ import torch.distributed as dist
 
 rank, world, init_file, seed = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 import adapters.torch as at   # before torch.distributed.tensor: the rules register on its import
-from adapters.torch import _dtensor
+from adapters.torch import _dtensor, _register
 assert not _dtensor._registered
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
@@ -36,6 +39,22 @@ from core_kernels.blocksparse_attention import build_sparse_layout
 assert _dtensor._registered
 
 dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world)
+calls = {"fast": 0, "dispatch": 0, "rules": 0}
+_local_call, _strategies = _register.subclass_call, _dtensor.op_strategies
+
+
+def _counted_local(name, impl, args):
+    r = _local_call(name, impl, args)
+    calls["fast" if r is not NotImplemented else "dispatch"] += 1
+    return r
+
+
+def _counted_rule(*args, **kwargs):
+    calls["rules"] += 1
+    return _strategies(*args, **kwargs)
+
+
+_register.subclass_call, _dtensor.op_strategies = _counted_local, _counted_rule
 mesh = DeviceMesh("cpu", list(range(world)))
 g = torch.Generator().manual_seed(seed)  # the same full inputs on every rank
 R = Replicate()
@@ -62,10 +81,12 @@ def check(what, fn, args, places, results, expect_comm=False, m=mesh):
     full = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     ref = fn(*full)
     sharded = [dt(a, p, m) if p is not None else a for a, p in zip(args, places)]
+    fast = calls["fast"]
     with CommDebugMode() as comm:
         out = fn(*sharded)
     counts = comm.get_total_counts()
     assert (counts > 0) if expect_comm else counts == 0, (what, comm.get_comm_counts())
+    assert (calls["fast"] == fast) if expect_comm else (calls["fast"] == fast + 1), (what, "fast path")
     ref = ref if isinstance(ref, tuple) else (ref,)
     out = out if isinstance(out, tuple) else (out,)
     for r in results:
@@ -192,6 +213,22 @@ check("lightning_varlen_cache heads", varlen_c, [vq, vk, vv, ed, vcu, vcache, sl
 bk1, bv1 = randn(37, 1, D), randn(37, 1, D)
 check("blocksparse 1 kv head", bsp, [bq, bk1, bv1, cu, crow, col], [S1, R, R, R, S0, S0], ["r0"],
       expect_comm=True)
+
+# torch.compile(fullgraph=True) over DTensors: the sharding is decided while tracing;
+# a second call with new values runs neither a sharding rule nor the eager fast path
+args = [dt(x, p) for x, p in zip((lq, lk, lv, ed, hist), (S1, S1, S1, S0, S1))]
+with torch.no_grad():
+    want = light(*args)
+    compiled = torch.compile(light, fullgraph=True, backend="aot_eager")
+    compiled(*args)
+    args[0] = dt(randn(B, H, N, D), S1)
+    want = light(*args)
+    calls.update(fast=0, dispatch=0, rules=0)
+    got = compiled(*args)
+assert calls == {"fast": 0, "dispatch": 0, "rules": 0}, calls
+for a, b in zip(got, want):
+    assert isinstance(a, DTensor) and a.placements == b.placements and torch.equal(a.to_local(), b.to_local())
+print("ok compile", flush=True)
 dist.destroy_process_group()
 print("done", flush=True)
 '''

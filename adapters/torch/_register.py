@@ -24,6 +24,11 @@ NAMESPACE = "tandem_attn"
 # every registered op by name: the callable that custom_op returns (tests iterate over it)
 OPS: dict = {}
 
+# An eager call on tensor subclasses first asks this hook (set by _dtensor.install:
+# DTensors computed on their local tensors without DTensor's and torch.library's
+# dispatch layers); it returns NotImplemented where the dispatcher must run.
+subclass_call = None
+
 INFERENCE_UPDATE = ("Inplace update to inference tensor outside InferenceMode is not allowed. "
                     "You can make a clone to get a normal tensor before doing inplace update.")
 
@@ -112,6 +117,11 @@ def custom_op(name: str, impl, mutates_args=(), fake=None, autograd=None, differ
         # __torch_dispatch__ runs the op on plain (local) tensors, which the
         # kernels need. Every op's first argument is a tensor.
         if is_compiling() or (type(a0) is not Tensor and isinstance(a0, Tensor)):
+            if (subclass_call is not None and not is_compiling()
+                    and not (grad_enabled() and _any_requires_grad(*args))):
+                result = subclass_call(name, impl, args)
+                if result is not NotImplemented:
+                    return result
             if not has_backward and grad_enabled() and _any_requires_grad_py(*args):
                 if differentiable is not None:
                     return differentiable(*args)

@@ -74,6 +74,9 @@ OPS = {
     "reshape_and_cache_flash": dict(
         case=("name",), time=("torch_us",), metric=(("GB/s", "GB/s"),), dtype="dtype",
         baseline=("row", None, None)),   # each case names its baseline: torch index_copy_
+    "scaleout": dict(  # two GPUs against one (bench_scaleout.py)
+        case=("name", "framework", "variant"), time=("us",), metric=(("speedup", "x one GPU"),),
+        baseline=("column", "one GPU (same process)", "one_gpu_us")),
     "prefix_prefill": dict(
         case=("name", "config"), time=("torch_us",), metric=(("TFLOP/s", "TFLOP/s"),),
         # vs_baseline = our TFLOP/s / 139: the modelled kernel's rate on this shape's FLOPs

@@ -63,6 +63,22 @@ def test_composability():
           baseline="unsharded", baseline_us=89.0, ratio=89 / 85)
 
 
+def test_scaleout():
+    rows = [dict(name="merge_attn_states N16384 H32 D128 bf16", framework="torch", variant="heads",
+                 one_gpu_us=102.0, us=53.0, speedup=102 / 53, bitwise=True, baseline="one GPU (same process)",
+                 baseline_us=102.0),
+            dict(name="lightning_attention_cp B1 H64 N65536 float32 fwd", framework="jax", variant="cp",
+                 one_gpu_us=900.0, us=500.0, speedup=1.8),
+            dict(name="(all)", framework="torch", error="torchrun exited 1")]
+    s = by_case(summary_rows("scaleout", rows))
+    assert len(s) == 2
+    check(s["merge_attn_states N16384 H32 D128 bf16 / torch / heads"], dtype="bfloat16", time_us=53.0,
+          metric="x one GPU", value=102 / 53, baseline="one GPU (same process)", baseline_us=102.0,
+          ratio=102 / 53)
+    check(s["lightning_attention_cp B1 H64 N65536 float32 fwd / jax / cp"], dtype="float32", time_us=500.0,
+          baseline_us=900.0, ratio=1.8)
+
+
 def test_lightning_attention():
     nbytes = 5.0e8  # bytes per call; TB/s = nbytes / t
     t, t_c, t_jax, t_b = 139.0, 297.0, 140.0, 750.0

@@ -40,7 +40,7 @@ PARALLEL_SUITE_2=(
   "tests/test_prefix_prefill.py@real_sizes or cache_layout_matrix or plans_build"
   "tests/test_blocksparse_attention.py;tests/test_autograd_safety.py"
   "tests/test_blocksparse_backward.py;tests/test_architecture.py;tests/test_packaging.py;tests/test_bench_summary.py;tests/test_fp8_rounding.py;tests/test_docs.py"
-  "tests/test_lightning_varlen.py;tests/test_index_validation.py;tests/test_scalar_policy.py;tests/test_lightning_cp.py"
+  "tests/test_lightning_varlen.py;tests/test_index_validation.py;tests/test_scalar_policy.py;tests/test_lightning_cp.py;tests/test_shard_invariance.py"
   "tests/test_vllm_signatures.py;tests/test_dtensor.py;tests/test_offline_compile.py;tests/test_call_memo.py;tests/test_example_scale.py;tests/test_reshape_and_cache_flash.py"
   "tests/test_unified_attention.py@real_sizes or cuda_graph;tests/test_unified_prefill.py;tests/test_unified_decode_invariance.py")
 if [[ $what == suites ]]; then

@@ -463,15 +463,20 @@ class TestJax(JaxAdapter, ReshapeAndCacheFlashTests):
             want = reshape_and_cache_flash_reference(key[e], value[e], kc[0], vc[0], slots[0])
             assert_bitwise_equal(np.asarray(shared[0][e]), want[0], f"shared cache, key_cache {e}")
 
-    def test_vmap_batched_scale_refused(self):
+    def test_vmap_batched_scale_runs_per_example(self):
+        """A batched scale (one per launch): one launch per example, its bits."""
         import jax
         import adapters.jax as aj
         key, value, kc, vc, slots = make_case(4, 2, 8, 2, 4, "float32", "float8_e4m3fn")
-        scales = np.ones((2, 1), np.float32)
-        f = jax.vmap(lambda k, s: aj.reshape_and_cache_flash(k, value, kc, vc, slots, kv_cache_dtype="fp8",
-                                                             k_scale=s, v_scale=1.0))
-        with pytest.raises(NotImplementedError, match="^k_scale: jax.vmap of reshape_and_cache_flash"):
-            f(to_jax(np.stack([key, key])), to_jax(scales))
+        scales = np.array([[0.5], [2.0]], np.float32)
+        call = lambda k, s: aj.reshape_and_cache_flash(k, value, kc, vc, slots, kv_cache_dtype="fp8",  # noqa: E731
+                                                       k_scale=s, v_scale=1.0)
+        keys = np.stack([key, key[::-1].copy()])
+        got = jax.vmap(call)(to_jax(keys), to_jax(scales))
+        for e in range(2):
+            one = call(to_jax(keys[e]), to_jax(scales[e]))
+            for g, w, what in zip(got, one, ("key_cache", "value_cache")):
+                assert_bitwise_equal(np.asarray(g[e]).view(np.uint8), np.asarray(w).view(np.uint8), f"{what} {e}")
 
     def test_traced_validation_refused(self):
         import jax

@@ -647,9 +647,12 @@ class TestJax(JaxAdapter, UnifiedTests):
         for i in range(2):
             one = np.asarray(f(to_jax(qs[i]), *rest, sinks=to_jax(sinks[i]), **kw))
             assert_bitwise_equal(got[i], one, f"example {i} (heads folded)")
-        with pytest.raises(NotImplementedError, match="output_scale"):
-            jax.vmap(lambda q, s: f(q, *rest, output_scale=s, **kw))(to_jax(qs),
-                                                                     to_jax(np.ones((2, 1), np.float32)))
+        # a batched output scale (one per launch): one launch per example, its bits
+        scales = np.array([[0.5], [2.0]], np.float32)
+        got = np.asarray(jax.vmap(lambda q, s: f(q, *rest, output_scale=s, **kw))(to_jax(qs), to_jax(scales)))
+        for i in range(2):
+            one = np.asarray(f(to_jax(qs[i]), *rest, output_scale=to_jax(scales[i]), **kw))
+            assert_bitwise_equal(got[i], one, f"example {i} (output_scale batched)")
 
 
 # ------------------------------------------------------------------ both adapters

@@ -200,8 +200,8 @@ def _in_place(name, mesh, order, specs, mutated, candidates, why_not):
 # more than the same call on the local tensors, against 12.7-13.0 us that DTensor
 # adds to torch.add on the same DTensors (2 gloo ranks on the development CPU,
 # torch 2.13, kernels stubbed out, 2026-11-28, commit ea8c7df + this change;
-# benchmarks/bench_dtensor_overhead.py: merge_attn_states 64 x 32/rank x 128,
-# linear_decode B64 H32/rank D128). Most of it is ours: the custom op's Python
+# benchmarks/bench_dtensor_overhead.py: the merge op at 64 x 32/rank x 128,
+# lightning decode at B64 H32/rank D128). Most of it is ours: the custom op's Python
 # autograd, ADInplaceOrView (argument defaults filled per call) and backend
 # layers, which plain-tensor calls skip too (_register.custom_op); DTensor
 # already caches the strategy per OpSchema. The fast path adds 9.1-10.3 us.
